@@ -1,0 +1,119 @@
+"""Plain-torch reference implementations of the ``nsa`` ops (DESIGN §2 step 4-6, §3, §4).
+
+They run on any device, never synchronise with the host and have static output shapes, so they are also the
+CPU path of the ops and the yardstick the GPU kernels are tested against. Inputs are assumed validated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import HEAD_DIM, KCacheLayout
+from ..quant import QUANT_BLOCK, act_quant
+
+# Largest [rows, heads, keys] fp32 block the logits references materialise at once (1 GiB).
+_MAX_SCORE_ELEMENTS = 1 << 28
+
+
+def quant_cache_store(
+    k: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    preshuffle: bool,
+    scale_fmt: str,
+    fp8_dtype: torch.dtype,
+) -> None:
+    """``act_quant`` each row of ``k`` and write values + scale into ``cache`` at its slot (negative = skip)."""
+    values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
+    KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))
+
+
+def _slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache slot of token ``pos`` of sequence ``seq`` (broadcasting); out-of-table pages read page 0."""
+    page_col = pos // page_size
+    in_table = page_col < block_table.shape[1]
+    page = block_table[seq, page_col.clamp(max=block_table.shape[1] - 1)].long()
+    return torch.where(in_table, page * page_size + pos % page_size, 0)
+
+
+def gather_k(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    page_size: int,
+    preshuffle: bool,
+    num_tokens: int,
+    fp8_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy each sequence's tokens out of the paged cache into contiguous rows; rows past the total are zero."""
+    layout = KCacheLayout(page_size, preshuffle)
+    rows = torch.arange(num_tokens, device=cache.device)
+    cu = cu_seqlens.long()
+    seq = (torch.searchsorted(cu[1:], rows, right=True)).clamp(max=cu.numel() - 2)
+    pos = rows - cu[seq]
+    valid = rows < cu[-1]
+    num_slots = cache.shape[0] * page_size
+    slots = torch.where(valid, _slots_of(block_table, seq, pos.clamp(min=0), page_size), 0).clamp(0, num_slots - 1)
+    values, scale = layout.load(cache, slots, fp8_dtype)
+    values = torch.where(valid[:, None], values.view(torch.uint8), 0).view(fp8_dtype)
+    scale = torch.where(valid, scale, 0.0)
+    return values, scale
+
+
+def paged_mqa_logits(
+    q_fp8: torch.Tensor,
+    cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_len: int,
+    page_size: int,
+    preshuffle: bool,
+) -> torch.Tensor:
+    """Decode logits ``[B*next_n, max_len]``: row ``b*next_n+j`` sees keys ``s <= ctx_b - next_n + j``, else -inf."""
+    batch, next_n, heads, _ = q_fp8.shape
+    layout = KCacheLayout(page_size, preshuffle)
+    num_slots = cache.shape[0] * page_size
+    out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
+    cols = torch.arange(max_len, device=q_fp8.device)
+    rows_per_step = max(1, _MAX_SCORE_ELEMENTS // max(1, (next_n * heads + HEAD_DIM) * max_len))
+    for b0 in range(0, batch, rows_per_step):
+        b1 = min(batch, b0 + rows_per_step)
+        ctx = context_lens[b0:b1].long()
+        seqs = torch.arange(b1 - b0, device=q_fp8.device)
+        visible = cols[None, :] < ctx[:, None]
+        slots = torch.where(visible, _slots_of(block_table[b0:b1], seqs[:, None], cols[None, :], page_size), 0)
+        values, scale = layout.load(cache, slots.clamp(0, num_slots - 1).reshape(-1), q_fp8.dtype)
+        values = values.view(b1 - b0, max_len, HEAD_DIM).float()
+        scores = torch.einsum("bjhd,bsd->bjhs", q_fp8[b0:b1].float(), values) * scale.view(b1 - b0, 1, 1, max_len)
+        w = weights.view(batch, next_n, heads, 1)[b0:b1].float()
+        logits = (scores.relu() * w).sum(dim=2)
+        limit = ctx[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]
+        mask = cols[None, None, :] <= limit[:, :, None]
+        out.view(batch, next_n, max_len)[b0:b1] = torch.where(mask, logits, float("-inf"))
+    return out
+
+
+def mqa_logits(
+    q_fp8: torch.Tensor,
+    k_fp8: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+) -> torch.Tensor:
+    """Ragged (prefill) logits ``[T, N]``: row ``t`` sees keys ``ks[t] <= n < ke[t]``, -inf elsewhere."""
+    tokens, heads, _ = q_fp8.shape
+    num_keys = k_fp8.shape[0]
+    out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q_fp8.device)
+    cols = torch.arange(num_keys, device=q_fp8.device)
+    k = k_fp8.float()
+    rows_per_step = max(1, _MAX_SCORE_ELEMENTS // max(1, heads * num_keys))
+    for t0 in range(0, tokens, rows_per_step):
+        t1 = min(tokens, t0 + rows_per_step)
+        scores = torch.einsum("thd,nd->thn", q_fp8[t0:t1].float(), k) * k_scale.float()[None, None, :]
+        logits = (scores.relu() * weights[t0:t1].float()[:, :, None]).sum(dim=1)
+        mask = (cols[None, :] >= ks[t0:t1, None]) & (cols[None, :] < ke[t0:t1, None])
+        out[t0:t1] = torch.where(mask, logits, float("-inf"))
+    return out

@@ -1,0 +1,65 @@
+"""``nsa.*`` compile options: parsed, validated, and kept apart from the options forwarded to Inductor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from . import capability
+
+PREFIX = "nsa."
+
+
+@dataclass(frozen=True)
+class NsaOptions:
+    """Options of the nsa pass manager; each appears as ``nsa.<field>`` in ``torch.compile(options=...)``.
+
+    - ``dump_dir``: write before/after graphs of every pass and ``report.json`` there (default: ``NSA_INDUCTOR_DUMP_DIR``).
+    - ``layout`` / ``page_size``: K-cache layout override (``flat``, ``paged``, ``preshuffle``).
+    - ``disable_passes``: names of passes not to run.
+    - ``head_gate_bf16``: allow the head-gate rewrite that rounds fp32 ``weights_proj`` to bf16 (see README).
+    """
+
+    dump_dir: str | None = None
+    layout: str | None = None
+    page_size: int | None = None
+    disable_passes: tuple[str, ...] = ()
+    head_gate_bf16: bool = True
+
+    def layout_decision(self) -> capability.LayoutDecision:
+        return capability.select_layout(self.layout, self.page_size)
+
+    def resolved_dump_dir(self) -> str | None:
+        return self.dump_dir or capability.dump_dir_from_env()
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "dump_dir": (str, type(None)),
+    "layout": (str, type(None)),
+    "page_size": (int, type(None)),
+    "disable_passes": (tuple, list, str),
+    "head_gate_bf16": (bool,),
+}
+
+
+def parse_options(options: dict[str, Any] | None) -> tuple[NsaOptions, dict[str, Any]]:
+    """Split ``options`` into ``NsaOptions`` and the rest (for Inductor). Unknown ``nsa.*`` keys raise ``ValueError``."""
+    known = {f.name for f in fields(NsaOptions)}
+    nsa: dict[str, Any] = {}
+    inductor: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        if not key.startswith(PREFIX):
+            inductor[key] = value
+            continue
+        name = key[len(PREFIX):]
+        if name not in known:
+            raise ValueError(f"unknown option {key!r}; nsa options are: {', '.join(PREFIX + k for k in sorted(known))}")
+        if not isinstance(value, _TYPES[name]) or (name == "page_size" and isinstance(value, bool)):
+            expected = " or ".join(t.__name__ for t in _TYPES[name])
+            raise ValueError(f"option {key!r} must be {expected}, got {type(value).__name__} {value!r}")
+        if name == "disable_passes":
+            value = (value,) if isinstance(value, str) else tuple(value)
+        nsa[name] = value
+    parsed = NsaOptions(**nsa)
+    parsed.layout_decision()
+    return parsed, inductor

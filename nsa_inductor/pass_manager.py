@@ -1,0 +1,121 @@
+"""The post-grad pass manager: runs the nsa passes in order, reports their matches, dumps graphs, owns cache identity."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import pathlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import capability
+from .debug import GraphDumper
+from .options import NsaOptions
+
+log = logging.getLogger("nsa_inductor")
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+REPORTS: deque[dict[str, Any]] = deque(maxlen=64)
+
+
+@dataclass
+class PassResult:
+    """What one pass did to one graph: rewrites made, and near misses (anchor found, check that failed)."""
+
+    matched: int = 0
+    near_misses: list[dict[str, Any]] = field(default_factory=list)
+
+    def miss(self, anchor: torch.fx.Node, reason: str) -> None:
+        self.near_misses.append({"anchor": anchor.format_node(), "reason": reason})
+
+
+@dataclass(frozen=True)
+class PassContext:
+    options: NsaOptions
+    decision: capability.LayoutDecision
+    capability: capability.Capability
+
+
+class GraphPass(Protocol):
+    name: str
+
+    def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult: ...
+
+
+@functools.cache
+def _source_hash() -> bytes:
+    """Every source file of the package: pass code, kernel code and the layout logic all change the output."""
+    return get_hash_for_files(tuple(sorted(str(p) for p in PACKAGE_DIR.rglob("*.py"))))
+
+
+class NsaPassManager(CustomGraphPass):
+    """Inductor ``post_grad_custom_post_pass`` running the nsa passes, then any pass that was installed before it."""
+
+    def __init__(self, options: NsaOptions, inner: Callable[[torch.fx.Graph], None] | None = None):
+        from . import lowering  # noqa: F401  registers the nsa ops the passes insert
+        from .patterns import passes_for
+
+        self.options = options
+        self.decision = options.layout_decision()
+        self.capability = capability.capability()
+        self.inner = inner.inner if isinstance(inner, NsaPassManager) else inner
+        self.passes: list[GraphPass] = [
+            p for p in passes_for(self.capability, options) if p.name not in options.disable_passes
+        ]
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        ctx = PassContext(self.options, self.decision, self.capability)
+        dumper = GraphDumper(self.options.resolved_dump_dir())
+        report: dict[str, Any] = {
+            "graph": dumper.name,
+            "layout": str(self.decision.layout),
+            "layout_reason": self.decision.reason,
+            "capability": capability.describe(self.decision),
+            "passes": [],
+        }
+        dumper.graph("00_input", graph)
+        for index, graph_pass in enumerate(self.passes, start=1):
+            stem = f"{index:02d}_{graph_pass.name}"
+            dumper.graph(f"{stem}.before", graph)
+            start = time.perf_counter()
+            result = graph_pass(graph, ctx)
+            graph.lint()
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            dumper.graph(f"{stem}.after", graph)
+            report["passes"].append(
+                {"name": graph_pass.name, "matched": result.matched, "near_misses": result.near_misses,
+                 "time_ms": round(elapsed_ms, 3)}
+            )
+            log.info("nsa_inductor: %s %s: %d match(es), %d near miss(es)", dumper.name, graph_pass.name,
+                     result.matched, len(result.near_misses))
+            for miss in result.near_misses:
+                log.info("nsa_inductor:   near miss at %s: %s", miss["anchor"], miss["reason"])
+        if self.inner is not None:
+            self.inner(graph)
+        dumper.graph("99_output", graph)
+        dumper.report(report)
+        REPORTS.append(report)
+
+    def uuid(self) -> str | None:
+        inner_uuid = None
+        if self.inner is not None:
+            inner_uuid = getattr(self.inner, "uuid", lambda: None)()
+            if inner_uuid is None:
+                return None
+        h = hashlib.sha256(_source_hash())
+        for part in (self.decision.layout, self.options, self.capability, torch.__version__, inner_uuid,
+                     [p.name for p in self.passes]):
+            h.update(repr(part).encode())
+        return h.hexdigest()
+
+
+def last_reports() -> list[dict[str, Any]]:
+    """The match reports of the graphs compiled in this process, oldest first (at most 64)."""
+    return list(REPORTS)
