@@ -160,8 +160,12 @@ def _warn_once(message: str) -> None:
 def _select_layout(layout: str | None, page_size: int | None, env_layout: str, env_page_size: str) -> LayoutDecision:
     env_page = _parse_page_size(env_page_size, ENV_PAGE_SIZE)
     if layout is not None:
-        return LayoutDecision(_explicit_layout(layout, page_size or env_page, "layout="), "requested by argument")
+        if layout != "flat":
+            page_size = page_size or env_page
+        return LayoutDecision(_explicit_layout(layout, page_size, "layout"), "requested by argument")
     if env_layout:
+        if env_layout == "flat" and page_size is None:
+            env_page = None
         return LayoutDecision(
             _explicit_layout(env_layout, page_size or env_page, ENV_LAYOUT), f"requested by {ENV_LAYOUT}"
         )

@@ -1,0 +1,414 @@
+"""Triton kernels for the ``nsa`` ops (NVIDIA and AMD GPUs; also run by the Triton interpreter in tests).
+
+The cache is passed to the kernels twice: viewed as fp8 for the values and as fp32 for the scales, so byte offsets
+of DESIGN §3 become element offsets (a scale's byte offset is always a multiple of 4; one token is 128 fp8 values
++ 4 scale bytes, hard-coded as 128/132/33/32 below). Every launcher writes every
+element of its outputs and never reads a device value on the host, so all of them are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..layout import HEAD_DIM
+from ..quant import AMAX_FLOOR, fp8_max
+
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+def _interpreted(kernel) -> bool:
+    """True under TRITON_INTERPRET=1, where kernels run in numpy on the host."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def _value_offsets(page, pos, d, PAGE_SIZE: tl.constexpr, PRESHUFFLE: tl.constexpr):
+    """Byte offset of value ``d`` of position ``pos`` in ``page`` (DESIGN §3); inputs broadcast."""
+    base = page.to(tl.int64) * (PAGE_SIZE * 132)
+    if PRESHUFFLE:
+        inner = (pos // 16) * 2048 + (d // 16) * 256 + (pos % 16) * 16 + d % 16
+    else:
+        inner = pos * 128 + d
+    return base + inner
+
+
+@triton.jit
+def _scale_offsets(page, pos, PAGE_SIZE: tl.constexpr):
+    """fp32-word offset of the scale of position ``pos`` in ``page``: after the page's ``PAGE_SIZE*128`` value bytes."""
+    return page.to(tl.int64) * (PAGE_SIZE * 33) + PAGE_SIZE * 32 + pos
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quant + cache store
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_store_kernel(
+    k_ptr,
+    stride_k,
+    slot_ptr,
+    values_ptr,
+    scales_ptr,
+    num_tokens,
+    FMAX: tl.constexpr,
+    INV_FMAX: tl.constexpr,
+    UE8M0: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PRESHUFFLE: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """act_quant of BLOCK_T rows of k, then the fp8 values and fp32 scale of each row go to its slot.
+
+    Bit-identical to the torch reference on the same device: torch on a GPU computes ``amax / fmax`` as
+    ``amax * (1/fmax)`` (scalar divisor) and log2/exp2 with the device math library (libdevice/ocml); on the host
+    (interpreter) it divides exactly. ``x / scale`` is an IEEE division in both.
+    """
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, 128)
+    in_range = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
+    x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    if ON_GPU:
+        scale = amax * INV_FMAX
+    else:
+        scale = tl.math.div_rn(amax, FMAX)
+    if UE8M0:
+        if ON_GPU:
+            scale = libdevice.exp2(tl.math.ceil(libdevice.log2(scale)))
+        else:
+            scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX).to(values_ptr.dtype.element_ty)
+    keep = slot >= 0
+    page = slot // PAGE_SIZE
+    pos = slot % PAGE_SIZE
+    tl.store(values_ptr + _value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE), y,
+             mask=keep[:, None])
+    tl.store(scales_ptr + _scale_offsets(page, pos, PAGE_SIZE), scale, mask=keep)
+
+
+def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, block_t: int = 4):
+    """One launch: quantize ``k [T,128]`` and store it into ``cache`` at ``slot_mapping`` (negative = padding)."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    fmax = fp8_max(fp8_dtype)
+    kernel = _quant_store_kernel
+    kernel[(triton.cdiv(num_tokens, block_t),)](
+        k,
+        k.stride(0),
+        slot_mapping,
+        cache.view(fp8_dtype),
+        cache.view(torch.float32),
+        num_tokens,
+        FMAX=fmax,
+        INV_FMAX=float(np.float32(1.0) / np.float32(fmax)),
+        UE8M0=scale_fmt == "ue8m0",
+        PAGE_SIZE=page_size,
+        PRESHUFFLE=preshuffle,
+        ON_GPU=not _interpreted(kernel),
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gather K (prefill)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gather_k_kernel(
+    values_ptr,
+    scales_ptr,
+    bt_ptr,
+    cu_ptr,
+    out_k_ptr,
+    out_scale_ptr,
+    num_tokens,
+    batch,
+    bt_stride,
+    max_pages,
+    PAGE_SIZE: tl.constexpr,
+    PRESHUFFLE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Copy BLOCK_R output rows (raw fp8 bytes + scale); rows past ``cu_seqlens[-1]`` get zeros."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, 128)
+    # Binary search: the sequence of row r is the first b with cu[b+1] > r.
+    lo = tl.zeros([BLOCK_R], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_R], dtype=tl.int32) + batch
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(cu_ptr + mid + 1, mask=active, other=0) <= rows
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    seq = tl.minimum(lo, batch - 1)
+    pos = rows - tl.load(cu_ptr + seq)
+    page_col = pos // PAGE_SIZE
+    valid = (rows < tl.load(cu_ptr + batch)) & (page_col < max_pages)
+    page = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + page_col, mask=valid, other=0)
+    in_page = pos % PAGE_SIZE
+    k = tl.load(values_ptr + _value_offsets(page[:, None], in_page[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
+                mask=valid[:, None], other=0)
+    scale = tl.load(scales_ptr + _scale_offsets(page, in_page, PAGE_SIZE), mask=valid, other=0.0)
+    out_rows = rows < num_tokens
+    tl.store(out_k_ptr + rows[:, None].to(tl.int64) * 128 + d[None, :], k, mask=out_rows[:, None])
+    tl.store(out_scale_ptr + rows, scale, mask=out_rows)
+
+
+def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype, out=None,
+             block_r: int = 16):
+    """Contiguous ``(k_fp8 [num_tokens,128], k_scale [num_tokens])``; a byte copy, so any fp8 dtype works."""
+    if out is None:
+        out = (
+            torch.empty(num_tokens, HEAD_DIM, dtype=fp8_dtype, device=cache.device),
+            torch.empty(num_tokens, dtype=torch.float32, device=cache.device),
+        )
+    k_out, scale_out = out
+    if num_tokens:
+        batch = block_table.shape[0]
+        _gather_k_kernel[(triton.cdiv(num_tokens, block_r),)](
+            cache,
+            cache.view(torch.float32),
+            block_table,
+            cu_seqlens,
+            k_out.view(torch.uint8),
+            scale_out,
+            num_tokens,
+            batch,
+            block_table.stride(0),
+            block_table.shape[1],
+            PAGE_SIZE=page_size,
+            PRESHUFFLE=preshuffle,
+            SEARCH_STEPS=max(1, batch.bit_length()),
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return k_out, scale_out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged MQA logits (decode)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tiling of the paged logits kernel: CHUNK tokens per program, BLOCK_N tokens per fp8 dot."""
+
+    chunk: int = 512
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+PAGED_CONFIG = PagedConfig()
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr,
+    values_ptr,
+    scales_ptr,
+    w_ptr,
+    ctx_ptr,
+    bt_ptr,
+    out_ptr,
+    next_n,
+    heads,
+    max_len,
+    bt_stride,
+    max_pages,
+    PAGE_SIZE: tl.constexpr,
+    PRESHUFFLE: tl.constexpr,
+    NEXT_N: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (b, c) writes columns [c*CHUNK, (c+1)*CHUNK) of the next_n rows of sequence b.
+
+    Per BLOCK_N keys: ``scores[s, (j,h)] = k8[s] . q8[b,j,h]`` in one fp8 dot (keys are the M side, so the head
+    sum is a reduction along the dot's N side: mostly within a thread), then
+    ``logit[s, j] = sum_h w[j,h] * relu(scores * k_scale[s])``; chunks wholly past the context only store -inf.
+    """
+    b = tl.program_id(0)
+    start = tl.program_id(1) * CHUNK
+    ctx = tl.load(ctx_ptr + b)
+    jj = tl.arange(0, NEXT_N)
+    out_row = (b * next_n + jj).to(tl.int64) * max_len
+    row_ok = jj < next_n
+    if start >= ctx:
+        for n0 in range(start, start + CHUNK, BLOCK_N):
+            s = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + out_row[None, :] + s[:, None], tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
+                     mask=(s[:, None] < max_len) & row_ok[None, :])
+    else:
+        m = tl.arange(0, NEXT_N * HEADS_PAD)
+        j = m // HEADS_PAD
+        h = m % HEADS_PAD
+        m_ok = (j < next_n) & (h < heads)
+        d = tl.arange(0, 128)
+        q_rows = (b * next_n + j) * heads + h
+        q = tl.load(q_ptr + q_rows[:, None].to(tl.int64) * 128 + d[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + q_rows, mask=m_ok, other=0.0)
+        limit = ctx - next_n + jj
+        visible_end = tl.minimum(start + CHUNK, ctx)
+        for n0 in tl.range(start, visible_end, BLOCK_N):
+            s = n0 + tl.arange(0, BLOCK_N)
+            page_col = s // PAGE_SIZE
+            load_ok = (s < ctx) & (page_col < max_pages)
+            page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + page_col, mask=load_ok, other=0)
+            pos = s % PAGE_SIZE
+            k = tl.load(values_ptr + _value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
+                        mask=load_ok[:, None], other=0.0)
+            k_scale = tl.load(scales_ptr + _scale_offsets(page, pos, PAGE_SIZE), mask=load_ok, other=0.0)
+            scores = tl.dot(k, tl.trans(q))
+            scores = tl.maximum(scores * k_scale[:, None], 0.0) * w[None, :]
+            logits = tl.sum(tl.reshape(scores, [BLOCK_N, NEXT_N, HEADS_PAD]), axis=2)
+            logits = tl.where(s[:, None] <= limit[None, :], logits, float("-inf"))
+            tl.store(out_ptr + out_row[None, :] + s[:, None], logits, mask=(s[:, None] < max_len) & row_ok[None, :])
+        first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N
+        for n0 in range(first_hidden, start + CHUNK, BLOCK_N):
+            s = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + out_row[None, :] + s[:, None], tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
+                     mask=(s[:, None] < max_len) & row_ok[None, :])
+
+
+def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, out=None,
+                     config: PagedConfig | None = None):
+    """Decode logits ``[B*next_n, max_len]`` fp32, every element written (-inf where masked)."""
+    cfg = config or PAGED_CONFIG
+    batch, next_n, heads, _ = q_fp8.shape
+    if out is None:
+        out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
+    if batch == 0 or max_len == 0:
+        return out
+    _paged_mqa_logits_kernel[(batch, triton.cdiv(max_len, cfg.chunk))](
+        q_fp8,
+        cache.view(q_fp8.dtype),
+        cache.view(torch.float32),
+        weights,
+        context_lens,
+        block_table,
+        out,
+        next_n,
+        heads,
+        max_len,
+        block_table.stride(0),
+        block_table.shape[1],
+        PAGE_SIZE=page_size,
+        PRESHUFFLE=preshuffle,
+        NEXT_N=triton.next_power_of_2(next_n),
+        HEADS_PAD=max(16, triton.next_power_of_2(heads)),
+        CHUNK=cfg.chunk,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ragged MQA logits (prefill)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RaggedConfig:
+    """Tiling of the ragged logits kernel: a BLOCK_M x BLOCK_N output tile per program, looping over heads."""
+
+    block_m: int = 64
+    block_n: int = 256
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+RAGGED_CONFIG = RaggedConfig()
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr,
+    k_ptr,
+    k_scale_ptr,
+    w_ptr,
+    ks_ptr,
+    ke_ptr,
+    out_ptr,
+    num_tokens,
+    num_keys,
+    heads,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``out[t, n] = k_scale[n] * sum_h w[t,h] * relu(q8[t,h] . k8[n])`` on one tile, -inf outside [ks, ke).
+
+    k_scale > 0 is factored out of the head sum (exact in real arithmetic) to save one multiply per score.
+    Tiles outside every row's window only store -inf.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = tl.program_id(1) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_keys
+    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = tl.load(ke_ptr + rows, mask=row_ok, other=0)
+    live = tl.max(((ks < n0 + BLOCK_N) & (ke > n0) & (ks < ke)).to(tl.int32), axis=0)
+    if live > 0:
+        d = tl.arange(0, 128)
+        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * 128 + d[None, :], mask=col_ok[:, None], other=0.0)
+        k_t = tl.trans(k)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        q_base = q_ptr + rows[:, None].to(tl.int64) * heads * 128 + d[None, :]
+        for h in tl.range(0, heads):
+            q = tl.load(q_base + h * 128, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + rows.to(tl.int64) * heads + h, mask=row_ok, other=0.0)
+            acc += tl.maximum(tl.dot(q, k_t), 0.0) * w[:, None]
+        k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
+        inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+        logits = tl.where(inside, acc * k_scale[None, :], float("-inf"))
+    else:
+        logits = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * num_keys + cols[None, :], logits,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, out=None, config: RaggedConfig | None = None):
+    """Prefill logits ``[T, N]`` fp32, every element written (-inf outside ``[ks[t], ke[t])``)."""
+    cfg = config or RAGGED_CONFIG
+    tokens, heads, _ = q_fp8.shape
+    num_keys = k_fp8.shape[0]
+    if out is None:
+        out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q_fp8.device)
+    if tokens == 0 or num_keys == 0:
+        return out
+    _mqa_logits_kernel[(triton.cdiv(tokens, cfg.block_m), triton.cdiv(num_keys, cfg.block_n))](
+        q_fp8,
+        k_fp8,
+        k_scale,
+        weights,
+        ks,
+        ke,
+        out,
+        tokens,
+        num_keys,
+        heads,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
