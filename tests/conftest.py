@@ -17,3 +17,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compile_settings():
+    """Every compile in the suite runs the passes (no FX-graph-cache hits from earlier runs), and the many models
+    compiled from the one ``Indexer.decode`` code object stay under Dynamo's recompile limit."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._dynamo.config.patch(
+        recompile_limit=256, accumulated_recompile_limit=1024
+    ):
+        yield

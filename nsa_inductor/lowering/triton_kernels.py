@@ -49,6 +49,28 @@ def _scale_offsets(page, pos, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _round_to_fp8_grid(y, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr):
+    """Round fp32 ``y`` (already within +-fmax) to the nearest e4m3 value, ties to even, still in fp32.
+
+    The fp8 cast after it is then exact on every backend, so the bytes do not depend on how a backend rounds
+    (the Triton interpreter's own cast truncates and drops carries). e4m3 keeps 3 mantissa bits: the grid step is
+    ``2^(e-3)`` with ``e`` the exponent of ``y``, floored at the smallest normal exponent ``MIN_EXP``
+    (subnormals). Adding and subtracting 1.5 * 2^23 rounds a float below 2^22 to an integer, ties to even.
+    fnuz has no negative zero (its 0x80 is NaN), hence ``SIGNED_ZERO``.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
+    if SIGNED_ZERO:
+        negative = bits < 0
+    else:
+        negative = (bits < 0) & (r > 0.0)
+    return tl.where(negative, -r, r)
+
+
+@triton.jit
 def _quant_store_kernel(
     k_ptr,
     stride_k,
@@ -61,6 +83,8 @@ def _quant_store_kernel(
     UE8M0: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PRESHUFFLE: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -86,7 +110,8 @@ def _quant_store_kernel(
             scale = libdevice.exp2(tl.math.ceil(libdevice.log2(scale)))
         else:
             scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
-    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX).to(values_ptr.dtype.element_ty)
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
+    y = _round_to_fp8_grid(y, MIN_EXP, SIGNED_ZERO).to(values_ptr.dtype.element_ty)
     keep = slot >= 0
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
@@ -114,6 +139,8 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         UE8M0=scale_fmt == "ue8m0",
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
+        MIN_EXP=1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
+        SIGNED_ZERO=fp8_dtype == torch.float8_e4m3fn,
         ON_GPU=not _interpreted(kernel),
         BLOCK_T=block_t,
         num_warps=4,
@@ -277,7 +304,10 @@ def _paged_mqa_logits_kernel(
             k_scale = tl.load(scales_ptr + _scale_offsets(page, pos, PAGE_SIZE), mask=load_ok, other=0.0)
             scores = tl.dot(k, tl.trans(q))
             scores = tl.maximum(scores * k_scale[:, None], 0.0) * w[None, :]
-            logits = tl.sum(tl.reshape(scores, [BLOCK_N, NEXT_N, HEADS_PAD]), axis=2)
+            if NEXT_N == 1:
+                logits = tl.sum(scores, axis=1)[:, None]
+            else:
+                logits = tl.sum(tl.reshape(scores, [BLOCK_N, NEXT_N, HEADS_PAD]), axis=2)
             logits = tl.where(s[:, None] <= limit[None, :], logits, float("-inf"))
             tl.store(out_ptr + out_row[None, :] + s[:, None], logits, mask=(s[:, None] < max_len) & row_ok[None, :])
         first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N

@@ -1,0 +1,205 @@
+"""Kernel benchmarks for the ``nsa`` ops on one GPU: Triton kernels against the torch reference, same run.
+
+    python benchmarks/kernels.py [--quick] [--out DIR] [--paged-config CHUNK,BLOCK_N,WARPS,STAGES ...]
+                                 [--ragged-config BLOCK_M,BLOCK_N,WARPS,STAGES ...] [--no-torch]
+
+Timings are ``triton.testing.do_bench`` medians; do_bench clears L2 (writes a 256 MB buffer) before every call,
+so K-cache reads come from HBM. Inputs are random (never zeros). Bandwidth counts K values + scales read, q,
+weights and the output written; the prefill counts 2*H*128 flops per visible (t, n) pair of the causal half.
+Floors (DESIGN §6): 4.3 TB/s copy bandwidth and ~1979 TFLOP/s dense fp8 on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from nsa_inductor.layout import KCacheLayout  # noqa: E402
+from nsa_inductor.lowering import reference  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+FP8_FLOPS_PER_S = 1979e12
+DEV = "cuda"
+LAYOUTS = {"flat": (1, False), "paged": (64, False), "preshuffle": (64, True)}
+
+
+def _bench(fn, fast: bool) -> float:
+    """Median microseconds of ``fn``."""
+    import triton.testing
+
+    ms = triton.testing.do_bench(fn, warmup=10 if fast else 25, rep=30 if fast else 100, return_mode="median")
+    return ms * 1e3
+
+
+def _parse_configs(values: list[str] | None, cls, names: tuple[str, ...]):
+    if not values:
+        return [cls()]
+    configs = []
+    for value in values:
+        parts = [int(p) for p in value.split(",")]
+        if len(parts) != len(names):
+            raise SystemExit(f"config {value!r} must be {','.join(names)}")
+        configs.append(cls(**dict(zip(names, parts))))
+    return configs
+
+
+def _random_fp8(shape) -> torch.Tensor:
+    return (torch.randn(shape, device=DEV) * 8).to(torch.float8_e4m3fn)
+
+
+def _paged_inputs(batch: int, ctx: int, layout: tuple[int, bool], heads: int = 64, next_n: int = 1):
+    page_size, preshuffle = layout
+    max_pages = -(-ctx // page_size)
+    num_pages = batch * max_pages
+    lay = KCacheLayout(page_size, preshuffle)
+    k = torch.randn(num_pages * page_size, 128, device=DEV).bfloat16()
+    cache = lay.allocate(num_pages * page_size, device=DEV)
+    torch.ops.nsa.quant_cache_store(k, cache, torch.arange(k.shape[0], device=DEV), page_size, preshuffle, "ue8m0")
+    block_table = torch.randperm(num_pages, device=DEV).int().view(batch, max_pages)
+    q = _random_fp8((batch, next_n, heads, 128))
+    weights = torch.randn(batch * next_n, heads, device=DEV)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return q, cache, weights, context_lens, block_table, ctx, page_size, preshuffle
+
+
+def bench_paged(args, tk, rows: list[dict]) -> None:
+    configs = _parse_configs(args.paged_config, tk.PagedConfig, ("chunk", "block_n", "num_warps", "num_stages"))
+    batches, ctxs = ([1, 64], [8192]) if args.quick else ([1, 8, 64], [2048, 8192, 32768])
+    for name, layout in LAYOUTS.items():
+        for batch in batches:
+            for ctx in ctxs:
+                inputs = _paged_inputs(batch, ctx, layout)
+                q, weights = inputs[0], inputs[2]
+                nbytes = batch * ctx * 132 + q.numel() + weights.numel() * 4 + batch * ctx * 4
+                results = {cfg: _bench(lambda cfg=cfg: tk.paged_mqa_logits(*inputs, config=cfg), args.quick)
+                           for cfg in configs}
+                best = min(results, key=results.get)
+                torch_us = None
+                if not args.no_torch:
+                    torch_us = _bench(lambda: reference.paged_mqa_logits(*inputs), True)
+                rows.append({
+                    "kernel": "paged_mqa_logits", "case": f"{name} B={batch} ctx={ctx} H=64 next_n=1",
+                    "us": results[best], "torch_us": torch_us, "gbps": nbytes / results[best] / 1e3,
+                    "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": str(best),
+                    "sweep": {str(c): t for c, t in results.items()},
+                })
+                del inputs
+
+
+def bench_quant_store(args, tk, rows: list[dict]) -> None:
+    for tokens in (64, 8192):
+        for name, (page_size, preshuffle) in LAYOUTS.items():
+            num_slots = 1 << 20
+            cache = KCacheLayout(page_size, preshuffle).allocate(num_slots, device=DEV)
+            k = torch.randn(tokens, 128, device=DEV).bfloat16()
+            slots = torch.randperm(num_slots, device=DEV)[:tokens]
+            call = (k, cache, slots, page_size, preshuffle, "ue8m0", torch.float8_e4m3fn)
+            nbytes = tokens * (128 * 2 + 8 + 132)
+            us = _bench(lambda: tk.quant_cache_store(*call), args.quick)
+            torch_us = None if args.no_torch else _bench(lambda: reference.quant_cache_store(*call), True)
+            rows.append({
+                "kernel": "quant_cache_store", "case": f"{name} T={tokens}", "us": us, "torch_us": torch_us,
+                "gbps": nbytes / us / 1e3, "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": "",
+            })
+
+
+def bench_gather(args, tk, rows: list[dict]) -> None:
+    batch, ctx = 4, 2048
+    for name, layout in LAYOUTS.items():
+        inputs = _paged_inputs(batch, ctx, layout)
+        cache, block_table, page_size, preshuffle = inputs[1], inputs[4], inputs[6], inputs[7]
+        cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=DEV)
+        call = (cache, block_table, cu, page_size, preshuffle, batch * ctx, torch.float8_e4m3fn)
+        nbytes = 2 * batch * ctx * 132
+        us = _bench(lambda: tk.gather_k(*call), args.quick)
+        torch_us = None if args.no_torch else _bench(lambda: reference.gather_k(*call), True)
+        rows.append({
+            "kernel": "gather_k", "case": f"{name} T={batch * ctx}", "us": us, "torch_us": torch_us,
+            "gbps": nbytes / us / 1e3, "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": "",
+        })
+
+
+def bench_ragged(args, tk, rows: list[dict]) -> None:
+    configs = _parse_configs(args.ragged_config, tk.RaggedConfig, ("block_m", "block_n", "num_warps", "num_stages"))
+    tokens, heads = (4096, 64) if args.quick else (8192, 64)
+    q = _random_fp8((tokens, heads, 128))
+    k = _random_fp8((tokens, 128))
+    k_scale = torch.rand(tokens, device=DEV) + 0.01
+    weights = torch.randn(tokens, heads, device=DEV)
+    ks = torch.zeros(tokens, dtype=torch.int32, device=DEV)
+    ke = torch.arange(1, tokens + 1, dtype=torch.int32, device=DEV)
+    call = (q, k, k_scale, weights, ks, ke)
+    flops = 2 * heads * 128 * tokens * (tokens + 1) / 2
+    results = {cfg: _bench(lambda cfg=cfg: tk.mqa_logits(*call, config=cfg), args.quick) for cfg in configs}
+    best = min(results, key=results.get)
+    torch_us = None if args.no_torch else _bench(lambda: reference.mqa_logits(*call), True)
+    rows.append({
+        "kernel": "mqa_logits", "case": f"causal prefill T={tokens} H={heads}", "us": results[best],
+        "torch_us": torch_us, "tflops": flops / results[best] / 1e6, "floor_us": flops / FP8_FLOPS_PER_S * 1e6,
+        "config": str(best), "sweep": {str(c): t for c, t in results.items()},
+    })
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| kernel | case | µs | torch µs | speedup | achieved | floor µs | % of floor | config |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        torch_us = f"{r['torch_us']:.1f}" if r["torch_us"] else "skipped"
+        speedup = f"{r['torch_us'] / r['us']:.1f}x" if r["torch_us"] else "-"
+        achieved = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['gbps']:.0f} GB/s"
+        lines.append(
+            f"| {r['kernel']} | {r['case']} | {r['us']:.1f} | {torch_us} | {speedup} | {achieved} | "
+            f"{r['floor_us']:.1f} | {100 * r['floor_us'] / r['us']:.0f}% | {r['config']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smaller sweep")
+    parser.add_argument("--out", type=pathlib.Path, help="write results.json and results.md here")
+    parser.add_argument("--paged-config", action="append", metavar="CHUNK,BLOCK_N,WARPS,STAGES",
+                        help="paged logits config to try (repeatable; default: the kernel's)")
+    parser.add_argument("--ragged-config", action="append", metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
+                        help="ragged logits config to try (repeatable; default: the kernel's)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch reference timings")
+    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather"], action="append",
+                        help="run only these benchmarks (repeatable)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a GPU")
+    from nsa_inductor.lowering import triton_kernels as tk
+
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged}
+    for name, bench in benches.items():
+        if not args.only or name in args.only:
+            bench(args, tk, rows)
+            print(f"done: {name}", flush=True)
+    for r in rows:
+        for cfg, us in r.get("sweep", {}).items():
+            print(f"{r['kernel']:18s} {r['case']:40s} {us:9.1f} µs  {cfg}")
+    table = markdown(rows)
+    device = torch.cuda.get_device_name(0)
+    header = f"device: {device}, torch {torch.__version__}"
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                                           "rows": rows}, indent=2))
+        (args.out / "results.md").write_text(header + "\n\n" + table + "\n")
+    print()
+    print(header)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

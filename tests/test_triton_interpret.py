@@ -1,0 +1,140 @@
+"""The Triton kernels under the Triton interpreter (CPU, tiny shapes) against the torch reference.
+
+TRITON_INTERPRET must be set before triton is first imported, so the kernel tests run in a child pytest process
+started by ``test_kernels_in_interpreter_subprocess``; in the parent process they are skipped.
+The quantizer rounds onto the fp8 grid itself, so even under the interpreter the cache bytes must match exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, paged_logits64, random_block_table, \
+    random_cache, random_fp8, ragged_logits64
+
+CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
+IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+
+
+@pytest.mark.skipif(IN_CHILD or not HAS_TRITON, reason="triton not installed" if not HAS_TRITON else "child")
+def test_kernels_in_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+
+
+def _kernels():
+    from nsa_inductor.lowering import triton_kernels
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_kernels
+
+
+LAYOUTS = [(1, False), (16, False), (16, True), (32, True)]
+
+
+@child_only
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", [FN, FNUZ])
+def test_quant_cache_store_bytes_match_reference(layout, scale_fmt, dtype):
+    from nsa_inductor.lowering import reference
+
+    tk = _kernels()
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(7)
+    random_rows = (torch.randn(9, 128, generator=gen) * 5).bfloat16()
+    k = torch.cat([random_rows, adversarial_k(float(torch.finfo(dtype).max))])
+    num_slots = 48
+    slots = torch.randperm(num_slots, generator=gen)[: k.shape[0]]
+    slots[[2, 11]] = -1
+    cache = torch.randint(0, 256, (-(-num_slots // page_size), page_size * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, page_size, preshuffle, scale_fmt, dtype)
+    tk.quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
+    assert torch.equal(cache, want)
+
+
+@child_only
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gather_k_matches_reference(layout):
+    from nsa_inductor.lowering import reference
+
+    tk = _kernels()
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(1)
+    lengths = [7, 0, 21, 3]
+    max_pages = -(-max(lengths) // page_size)
+    num_pages = len(lengths) * max_pages + 1
+    cache = random_cache(num_pages, page_size, FN, gen)
+    block_table = random_block_table(len(lengths), max_pages, num_pages, gen)
+    cu = torch.tensor([0, 7, 7, 28, 31], dtype=torch.int32)
+    num_tokens = 36
+    poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8).view(FN), torch.full((num_tokens,), float("nan")))
+    k, scale = tk.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, FN, out=poisoned)
+    want_k, want_scale = reference.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, FN)
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+
+
+@child_only
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("next_n, heads", [(1, 32), (2, 16), (2, 24)])
+def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
+    tk = _kernels()
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(2)
+    ctx = [0, 1, 37, 50]
+    max_len = 120  # far past the longest context: whole -inf chunks
+    max_pages = -(-max(ctx) // page_size)
+    num_pages = len(ctx) * max_pages + 1
+    cache = random_cache(num_pages, page_size, FN, gen)
+    block_table = random_block_table(len(ctx), max_pages, num_pages, gen)
+    q = random_fp8((len(ctx), next_n, heads, 128), FN, gen)
+    weights = torch.randn(len(ctx) * next_n, heads, generator=gen)
+    args = (q, cache, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, page_size, preshuffle)
+    out = torch.full((len(ctx) * next_n, max_len), float("nan"))
+    got = tk.paged_mqa_logits(*args, out=out, config=tk.PagedConfig(chunk=32, block_n=16))
+    assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
+
+
+@child_only
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16)])
+def test_mqa_logits_matches_float64(block_m, block_n):
+    tk = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    tokens, keys, heads = 40, 45, 16
+    q = random_fp8((tokens, heads, 128), FN, gen)
+    k = random_fp8((keys, 128), FN, gen)
+    k_scale = torch.rand(keys, generator=gen) + 0.05
+    weights = torch.randn(tokens, heads, generator=gen)
+    ks = torch.tensor([0] * 25 + [25] * 15, dtype=torch.int32)  # causal prefill of two sequences
+    ke = torch.arange(1, tokens + 1, dtype=torch.int32)
+    ke[-3:] = ks[-3:]  # empty windows
+    out = torch.full((tokens, keys), float("nan"))
+    got = tk.mqa_logits(q, k, k_scale, weights, ks, ke, out=out, config=tk.RaggedConfig(block_m, block_n))
+    assert_logits_close(got, ragged_logits64(q, k, k_scale, weights, ks, ke), rtol=1e-5)
+
+
+@child_only
+def test_fnuz_logits_in_interpreter():
+    """fnuz (tl.float8e4b8) is what the kernels use on ROCm gfx942."""
+    tk = _kernels()
+    gen = torch.Generator().manual_seed(4)
+    cache = random_cache(3, 16, FNUZ, gen)
+    block_table = torch.tensor([[2, 0]], dtype=torch.int32)
+    q = random_fp8((1, 1, 16, 128), FNUZ, gen)
+    weights = torch.randn(1, 16, generator=gen)
+    args = (q, cache, weights, torch.tensor([29], dtype=torch.int32), block_table, 40, 16, True)
+    got = tk.paged_mqa_logits(*args, config=tk.PagedConfig(chunk=32, block_n=16))
+    assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
