@@ -37,9 +37,10 @@ def _bench(fn, fast: bool) -> float:
     return ms * 1e3
 
 
-def _parse_configs(values: list[str] | None, cls, names: tuple[str, ...]):
+def _parse_configs(values: list[str] | None, cls, names: tuple[str, ...]) -> list:
+    """Configs given on the command line; ``[None]`` (the kernel's own choice) when none are."""
     if not values:
-        return [cls()]
+        return [None]
     configs = []
     for value in values:
         parts = [int(p) for p in value.split(",")]
@@ -80,14 +81,15 @@ def bench_paged(args, tk, rows: list[dict]) -> None:
                 results = {cfg: _bench(lambda cfg=cfg: tk.paged_mqa_logits(*inputs, config=cfg), args.quick)
                            for cfg in configs}
                 best = min(results, key=results.get)
+                chosen = best or tk._default_paged_config(batch, ctx)
                 torch_us = None
                 if not args.no_torch:
                     torch_us = _bench(lambda: reference.paged_mqa_logits(*inputs), True)
                 rows.append({
                     "kernel": "paged_mqa_logits", "case": f"{name} B={batch} ctx={ctx} H=64 next_n=1",
                     "us": results[best], "torch_us": torch_us, "gbps": nbytes / results[best] / 1e3,
-                    "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": str(best),
-                    "sweep": {str(c): t for c, t in results.items()},
+                    "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": str(chosen),
+                    "sweep": {str(c or chosen): t for c, t in results.items()},
                 })
                 del inputs
 
@@ -142,7 +144,7 @@ def bench_ragged(args, tk, rows: list[dict]) -> None:
     rows.append({
         "kernel": "mqa_logits", "case": f"causal prefill T={tokens} H={heads}", "us": results[best],
         "torch_us": torch_us, "tflops": flops / results[best] / 1e6, "floor_us": flops / FP8_FLOPS_PER_S * 1e6,
-        "config": str(best), "sweep": {str(c): t for c, t in results.items()},
+        "config": str(best or tk.RAGGED_CONFIG), "sweep": {str(c or tk.RAGGED_CONFIG): t for c, t in results.items()},
     })
 
 

@@ -30,7 +30,7 @@ class IndexerConfig:
     quant_block: int = 128
     rope_interleaved: bool = False
     rope_theta: float = 10000.0
-    max_position: int = 65536
+    max_model_len: int = 65536
     norm_eps: float = 1e-6
     scale_fmt: str = "ue8m0"
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
@@ -57,7 +57,7 @@ class IndexerConfig:
 
     def small(self) -> IndexerConfig:
         """The same architecture at sizes a CPU compiles and runs in seconds (head_dim stays 128)."""
-        return replace(self, hidden_size=256, q_lora_rank=64, n_heads=self.n_heads // 4, topk=32, max_position=1024)
+        return replace(self, hidden_size=256, q_lora_rank=64, n_heads=self.n_heads // 4, topk=32, max_model_len=1024)
 
 
 def hadamard_matrix(n: int) -> torch.Tensor:
@@ -70,10 +70,10 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     return h
 
 
-def rope_cos_sin(rope_dim: int, max_position: int, theta: float) -> torch.Tensor:
-    """``[max_position, 2, rope_dim // 2]`` fp32: cos then sin for every position."""
+def rope_cos_sin(rope_dim: int, max_model_len: int, theta: float) -> torch.Tensor:
+    """``[max_model_len, 2, rope_dim // 2]`` fp32: cos then sin for every position."""
     inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
+    angles = torch.arange(max_model_len, dtype=torch.float64)[:, None] * inv_freq
     return torch.stack([angles.cos(), angles.sin()], dim=1).float()
 
 
@@ -111,7 +111,7 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(c.head_dim, eps=c.norm_eps, dtype=torch.float32)
         self.weights_proj = nn.Linear(c.hidden_size, c.n_heads, bias=False, dtype=torch.float32)
         self.register_buffer("hadamard", hadamard_matrix(c.head_dim), persistent=False)
-        self.register_buffer("cos_sin", rope_cos_sin(c.rope_dim, c.max_position, c.rope_theta), persistent=False)
+        self.register_buffer("cos_sin", rope_cos_sin(c.rope_dim, c.max_model_len, c.rope_theta), persistent=False)
         self.requires_grad_(False)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -175,7 +175,11 @@ class Indexer(nn.Module):
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``next_n = T // B`` new tokens per sequence; ``context_lens`` counts them. Logits ``[T, max_pages * P]``."""
+        """``next_n = T // B`` new tokens per sequence; ``context_lens`` counts them.
+
+        Like serving engines, the logits buffer spans ``max_model_len`` columns; keys are gathered only up to the
+        block table's width (``max_pages * P``) and the rest of each row stays -inf.
+        """
         c = self.config
         batch, max_pages = block_table.shape
         next_n = x.shape[0] // batch
@@ -194,7 +198,7 @@ class Indexer(nn.Module):
         last_visible = context_lens.view(batch, 1) - next_n + torch.arange(next_n, device=x.device)
         visible = key_pos <= last_visible.unsqueeze(-1)
 
-        logits = torch.full((batch * next_n, max_len), float("-inf"), device=x.device)
+        logits = torch.full((batch * next_n, c.max_model_len), float("-inf"), device=x.device)
         logits[:, :max_len] = scores.masked_fill(~visible, float("-inf")).view(batch * next_n, max_len)
         return logits, self._topk(logits)
 

@@ -67,14 +67,15 @@ def test_decode_logits_and_cache_match_float64(config, layout, next_n, ctx, extr
     q_fp8, q_scale = model.project_q(batch.q_lora, batch.positions)
     weights = model.head_gates(batch.x, q_scale)
     page, max_len = layout.page_size, batch.block_table.shape[1] * layout.page_size
-    assert logits.shape == (len(ctx) * next_n, max_len)
+    assert logits.shape == (len(ctx) * next_n, config.max_model_len)
+    assert bool(logits[:, max_len:].isneginf().all())
     for b, n in enumerate(ctx):
         slots = [int(batch.block_table[b, s // page]) * page + s % page for s in range(max_len)]
         keys, scales = keys_of(batch.kv_cache, slots, layout, config.fp8_dtype)
         rows = slice(b * next_n, (b + 1) * next_n)
         visible = torch.arange(max_len)[None] <= (n - next_n + torch.arange(next_n))[:, None]
         expected = indexer_logits64(q_fp8[rows], weights[rows], keys, scales, visible)
-        assert_logits_close(logits[rows], expected)
+        assert_logits_close(logits[rows, :max_len], expected)
     topk_sets_valid(logits, topk, config.topk)
 
     written = batch.slot_mapping[batch.slot_mapping >= 0]

@@ -80,7 +80,8 @@ def test_gather_k_matches_reference(layout):
     block_table = random_block_table(len(lengths), max_pages, num_pages, gen)
     cu = torch.tensor([0, 7, 7, 28, 31], dtype=torch.int32)
     num_tokens = 36
-    poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8).view(FN), torch.full((num_tokens,), float("nan")))
+    poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8).view(FN),
+                torch.full((num_tokens,), float("nan")))
     k, scale = tk.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, FN, out=poisoned)
     want_k, want_scale = reference.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, FN)
     assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))

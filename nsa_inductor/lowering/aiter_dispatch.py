@@ -1,7 +1,8 @@
 """The ``nsa`` ops on ROCm through aiter's kernels (DESIGN §4), imported lazily on first use.
 
 Signatures as published in ROCm/aiter (checked against its main branch):
-- ``aiter.ops.cache.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, preshuffle=False)``
+- ``aiter.ops.cache.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt,
+  preshuffle=False)``
 - ``aiter.ops.cache.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens,
   preshuffle=False)``; ``dst_scale`` may be ``[N, 4]`` bytes (aiter derives the quant block from its byte width)
 - ``deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
@@ -10,6 +11,11 @@ Signatures as published in ROCm/aiter (checked against its main branch):
 - ``fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=True)`` in
   ``aiter.ops.triton.attention.fp8_mqa_logits`` (same move; older releases have no ``clean_logits`` and always
   fill -inf). It returns a column slice of a 256-aligned buffer, so the result is made contiguous here.
+
+The two cache ops only take ``preshuffle`` since aiter added the layout (April 2026), so it is passed only when
+set: the flat and row-major layouts keep working with older aiter releases.
+aiter's quantizer multiplies by ``1/scale`` and divides ``amax / fmax`` exactly, so with ``scale_fmt="fp32"`` its
+bytes can differ from the torch reference by one rounding; ue8m0 scales are powers of two and agree.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ def _ragged_logits_fn():
     return module.fp8_mqa_logits
 
 
+def _preshuffle_kwarg(preshuffle: bool) -> dict:
+    return {"preshuffle": True} if preshuffle else {}
+
+
 def _kv_cache(cache: torch.Tensor, page_size: int, fp8_dtype: torch.dtype, *extra: int) -> torch.Tensor:
     """aiter's view of the uint8 cache: fp8 ``[num_pages, page_size, *extra, 132]`` over the same bytes."""
     return cache.view(fp8_dtype).view(cache.shape[0], page_size, *extra, TOKEN_BYTES)
@@ -58,7 +68,8 @@ def _kv_cache(cache: torch.Tensor, page_size: int, fp8_dtype: torch.dtype, *extr
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype) -> None:
     _cache_ops().indexer_k_quant_and_cache(
-        k, _kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(), QUANT_BLOCK, scale_fmt, preshuffle=preshuffle
+        k, _kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(), QUANT_BLOCK, scale_fmt,
+        **_preshuffle_kwarg(preshuffle),
     )
 
 
@@ -72,7 +83,7 @@ def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, 
         k_scale.view(torch.uint8).view(num_tokens, 4),
         block_table,
         cu_seqlens,
-        preshuffle=preshuffle,
+        **_preshuffle_kwarg(preshuffle),
     )
     return k_fp8, k_scale
 

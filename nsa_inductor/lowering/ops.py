@@ -221,7 +221,8 @@ def paged_mqa_logits(
 ) -> torch.Tensor:
     """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked)."""
     _validate_paged(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
-    args = (*_contiguous(q_fp8), cache, *_contiguous(weights, context_lens, block_table), max_len, page_size, preshuffle)
+    q_fp8, weights, context_lens, block_table = _contiguous(q_fp8, weights, context_lens, block_table)
+    args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
     backend = _backend("paged_mqa_logits", q_fp8.device, q_fp8.dtype)
     if backend == "aiter":
         from . import aiter_dispatch

@@ -1,8 +1,8 @@
 """Triton kernels for the ``nsa`` ops (NVIDIA and AMD GPUs; also run by the Triton interpreter in tests).
 
 The cache is passed to the kernels twice: viewed as fp8 for the values and as fp32 for the scales, so byte offsets
-of DESIGN §3 become element offsets (a scale's byte offset is always a multiple of 4; one token is 128 fp8 values
-+ 4 scale bytes, hard-coded as 128/132/33/32 below). Every launcher writes every
+of DESIGN §3 become element offsets (a scale's byte offset is always a multiple of 4). A token is 128 fp8 values
+and a 4-byte scale: 132 bytes, 33 fp32 words; these sizes are literals in the kernels. Every launcher writes every
 element of its outputs and never reads a device value on the host, so all of them are CUDA-graph safe.
 """
 
@@ -20,6 +20,7 @@ from ..layout import HEAD_DIM
 from ..quant import AMAX_FLOOR, fp8_max
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
 
 def _interpreted(kernel) -> bool:
     """True under TRITON_INTERPRET=1, where kernels run in numpy on the host."""
@@ -240,8 +241,20 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self) -> None:
+        if self.chunk % self.block_n:
+            raise ValueError(f"PagedConfig.chunk ({self.chunk}) must be a multiple of block_n ({self.block_n})")
+
 
 PAGED_CONFIG = PagedConfig()
+PAGED_MIN_PROGRAMS = 256  # about two waves on an H200 (132 SMs): small batches split their context finer
+
+
+def _default_paged_config(batch: int, max_len: int) -> PagedConfig:
+    chunk = PAGED_CONFIG.chunk
+    while chunk > PAGED_CONFIG.block_n and batch * triton.cdiv(max_len, chunk) < PAGED_MIN_PROGRAMS:
+        chunk //= 2
+    return PagedConfig(chunk, PAGED_CONFIG.block_n, PAGED_CONFIG.num_warps, PAGED_CONFIG.num_stages)
 
 
 @triton.jit
@@ -320,8 +333,8 @@ def _paged_mqa_logits_kernel(
 def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, out=None,
                      config: PagedConfig | None = None):
     """Decode logits ``[B*next_n, max_len]`` fp32, every element written (-inf where masked)."""
-    cfg = config or PAGED_CONFIG
     batch, next_n, heads, _ = q_fp8.shape
+    cfg = config or _default_paged_config(batch, max_len)
     if out is None:
         out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
     if batch == 0 or max_len == 0:
@@ -387,10 +400,11 @@ def _mqa_logits_kernel(
     """``out[t, n] = k_scale[n] * sum_h w[t,h] * relu(q8[t,h] . k8[n])`` on one tile, -inf outside [ks, ke).
 
     k_scale > 0 is factored out of the head sum (exact in real arithmetic) to save one multiply per score.
-    Tiles outside every row's window only store -inf.
+    Tiles outside every row's window only store -inf. Key tiles are the fast grid axis, so programs running at the
+    same time share their q rows (all heads: BLOCK_M * H * 128 bytes) in L2.
     """
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n0 = tl.program_id(1) * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     row_ok = rows < num_tokens
     col_ok = cols < num_keys
@@ -425,7 +439,7 @@ def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, out=None, config: RaggedC
         out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q_fp8.device)
     if tokens == 0 or num_keys == 0:
         return out
-    _mqa_logits_kernel[(triton.cdiv(tokens, cfg.block_m), triton.cdiv(num_keys, cfg.block_n))](
+    _mqa_logits_kernel[(triton.cdiv(num_keys, cfg.block_n), triton.cdiv(tokens, cfg.block_m))](
         q_fp8,
         k_fp8,
         k_scale,

@@ -11,5 +11,22 @@ if TYPE_CHECKING:
 
 
 def passes_for(cap: Capability, options: NsaOptions) -> list[GraphPass]:
-    """Passes in the order they must run for this machine."""
-    return []
+    """Passes in the order they must run.
+
+    RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
+    the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer.
+    """
+    from . import (
+        empty_logits_buffer,
+        head_gate_gemm,
+        paged_mqa_logits,
+        quant_cache_store,
+        ragged_mqa_logits,
+        rope_copy_elision,
+    )
+
+    passes = [rope_copy_elision.PASS, quant_cache_store.PASS]
+    if options.head_gate_bf16:
+        passes.append(head_gate_gemm.PASS)
+    passes += [paged_mqa_logits.PASS, ragged_mqa_logits.PASS, empty_logits_buffer.PASS]
+    return passes

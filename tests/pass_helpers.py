@@ -1,0 +1,41 @@
+"""Compile a function with nsa_rocm, dumping graphs, and read what each pass did."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import tempfile
+
+import torch
+
+
+def compile_with_dumps(fn, options: dict | None = None):
+    """``(compiled_fn, dump_dir)``; every graph the compiled function produces lands under ``dump_dir``."""
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-pass-"))
+    compiled = torch.compile(fn, backend="nsa_rocm", options={"nsa.dump_dir": str(dump_dir), **(options or {})})
+    return compiled, dump_dir
+
+
+def graph_dirs(dump_dir: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in dump_dir.iterdir() if p.is_dir())
+
+
+def pass_entry(graph_dir: pathlib.Path, name: str) -> dict:
+    report = json.loads((graph_dir / "report.json").read_text())
+    (entry,) = [p for p in report["passes"] if p["name"] == name]
+    return entry
+
+
+def pass_graphs(graph_dir: pathlib.Path, name: str) -> tuple[str, str]:
+    """Source of the graph just before and just after pass ``name``."""
+    (before,) = graph_dir.glob(f"*_{name}.before.py")
+    (after,) = graph_dir.glob(f"*_{name}.after.py")
+    return before.read_text(), after.read_text()
+
+
+def count_ops(source: str, op: str) -> int:
+    """Calls of ``op`` (e.g. ``"aten.slice_scatter"`` or ``"nsa.quant_cache_store"``) in a dumped graph."""
+    return len(re.findall(rf"torch\.ops\.{re.escape(op)}\.\w+\(", source)) + len(
+        re.findall(rf"torch\.ops\.{re.escape(op)}\b(?!\.)", source)
+    )
