@@ -107,7 +107,7 @@ def capability() -> Capability:
         aiter_available=platform == "rocm" and importlib.util.find_spec("aiter") is not None,
         aiter_disabled=_env_flag(ENV_DISABLE_AITER),
         triton_version=_triton_version(),
-        aiter_aot=_env_flag(ENV_AITER_AOT),
+        aiter_aot=os.environ.get(ENV_AITER_AOT) == "1",  # aiter itself accepts exactly "1"
         preshuffle_disabled=_env_flag(ENV_DISABLE_PRESHUFFLE),
         fp8_dtype=_rocm_fp8_dtype() if platform == "rocm" else torch.float8_e4m3fn,
     )

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
+# compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-quick}
+OUT=${OUT:-/tmp/nsa_gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+summary=()
+
+python3 -c "import torch, triton; print(f'torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}')" \
+  | tee "$OUT/versions.txt"
+
+if [ "$mode" != "e2e" ]; then
+  python3 -m pytest -q -m gpu tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
+fi
+
+case "$mode" in
+  quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
+  full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
+  tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \
+          2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
+esac
+
+if [ "$mode" = "e2e" ] || [ "$mode" = "full" ]; then
+  python3 examples/deepseek_v32_indexer.py --runs 50 2>&1 | tee "$OUT/example.log" | tail -n 20
+  python3 benchmarks/end_to_end.py --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -n 30
+fi
+
+printf '%s\n' "${summary[@]}"
+[ -f "$OUT/bench/results.md" ] && cat "$OUT/bench/results.md"
+exit 0
