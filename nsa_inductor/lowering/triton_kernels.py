@@ -50,24 +50,26 @@ def _scale_offsets(page, pos, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _round_to_fp8_grid(y, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr):
+def _round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr):
     """Round fp32 ``y`` (already within +-fmax) to the nearest e4m3 value, ties to even, still in fp32.
 
     The fp8 cast after it is then exact on every backend, so the bytes do not depend on how a backend rounds
     (the Triton interpreter's own cast truncates and drops carries). e4m3 keeps 3 mantissa bits: the grid step is
     ``2^(e-3)`` with ``e`` the exponent of ``y``, floored at the smallest normal exponent ``MIN_EXP``
     (subnormals). Adding and subtracting 1.5 * 2^23 rounds a float below 2^22 to an integer, ties to even.
-    fnuz has no negative zero (its 0x80 is NaN), hence ``SIGNED_ZERO``.
+    fnuz has no negative zero (its 0x80 is NaN), hence ``SIGNED_ZERO``. The sign comes from ``sign_of`` (the
+    unscaled input: the scale is positive) because a GPU clamp may turn -0.0 into +0.0.
     """
     bits = y.to(tl.int32, bitcast=True)
+    sign_negative = sign_of.to(tl.int32, bitcast=True) < 0
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
     inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
     r = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
     if SIGNED_ZERO:
-        negative = bits < 0
+        negative = sign_negative
     else:
-        negative = (bits < 0) & (r > 0.0)
+        negative = sign_negative & (r > 0.0)
     return tl.where(negative, -r, r)
 
 
@@ -112,7 +114,7 @@ def _quant_store_kernel(
         else:
             scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
     y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-    y = _round_to_fp8_grid(y, MIN_EXP, SIGNED_ZERO).to(values_ptr.dtype.element_ty)
+    y = _round_to_fp8_grid(y, x, MIN_EXP, SIGNED_ZERO).to(values_ptr.dtype.element_ty)
     keep = slot >= 0
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
@@ -236,7 +238,7 @@ def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, 
 class PagedConfig:
     """Tiling of the paged logits kernel: CHUNK tokens per program, BLOCK_N tokens per fp8 dot."""
 
-    chunk: int = 512
+    chunk: int = 1024
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
@@ -374,8 +376,8 @@ class RaggedConfig:
     """Tiling of the ragged logits kernel: a BLOCK_M x BLOCK_N output tile per program, looping over heads."""
 
     block_m: int = 64
-    block_n: int = 256
-    num_warps: int = 8
+    block_n: int = 128
+    num_warps: int = 4
     num_stages: int = 3
 
 
