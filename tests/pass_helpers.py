@@ -10,10 +10,15 @@ import tempfile
 import torch
 
 
-def compile_with_dumps(fn, options: dict | None = None):
-    """``(compiled_fn, dump_dir)``; every graph the compiled function produces lands under ``dump_dir``."""
+def compile_with_dumps(fn, options: dict | None = None, dynamic: bool | None = None):
+    """``(compiled_fn, dump_dir)``; every graph the compiled function produces lands under ``dump_dir``.
+
+    ``dynamic=False`` keeps shapes static even when many functions share one code object (Dynamo would otherwise
+    turn sizes that differ between them into symbols).
+    """
     dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-pass-"))
-    compiled = torch.compile(fn, backend="nsa_rocm", options={"nsa.dump_dir": str(dump_dir), **(options or {})})
+    compiled = torch.compile(fn, backend="nsa_rocm", dynamic=dynamic,
+                             options={"nsa.dump_dir": str(dump_dir), **(options or {})})
     return compiled, dump_dir
 
 
@@ -35,7 +40,6 @@ def pass_graphs(graph_dir: pathlib.Path, name: str) -> tuple[str, str]:
 
 
 def count_ops(source: str, op: str) -> int:
-    """Calls of ``op`` (e.g. ``"aten.slice_scatter"`` or ``"nsa.quant_cache_store"``) in a dumped graph."""
-    return len(re.findall(rf"torch\.ops\.{re.escape(op)}\.\w+\(", source)) + len(
-        re.findall(rf"torch\.ops\.{re.escape(op)}\b(?!\.)", source)
-    )
+    """Calls of ``op`` (e.g. ``"aten.slice_scatter"`` or ``"nsa.quant_cache_store"``) in a dumped graph, including
+    a mutating op called through ``auto_functionalized``."""
+    return len(re.findall(rf"torch\.ops\.{re.escape(op)}\.\w+[(,]", source))

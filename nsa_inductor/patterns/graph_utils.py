@@ -77,8 +77,27 @@ def cone(output: torch.fx.Node, inputs: Iterable[torch.fx.Node]) -> list[torch.f
     return sorted(seen, key=order.__getitem__)
 
 
+def _bind_sizes(bindings: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
+    """Bind symbolic-size placeholders (dynamic shapes) to the sizes of the probe values given for tensors."""
+    sizes: dict[str, int] = {}
+    for node, value in bindings.items():
+        fake = val(node)
+        if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor):
+            for symbolic, real in zip(fake.shape, value.shape):
+                sizes.setdefault(str(symbolic), int(real))
+    graph = next(iter(bindings)).graph
+    return {node: sizes[str(val(node))] for node in graph.find_nodes(op="placeholder")
+            if isinstance(val(node), torch.SymInt) and str(val(node)) in sizes}
+
+
 def evaluate(output: torch.fx.Node, bindings: dict[torch.fx.Node, Any]) -> Any:
-    """Run the cone of ``output`` on real values for its inputs (e.g. probe slot ids), on the CPU."""
+    """Run the cone of ``output`` on real values for its inputs (e.g. probe slot ids), on the CPU.
+
+    A dynamic size the cone reads (a ``Sym(s0)`` placeholder) takes the size of the probe bound to the tensor with
+    that symbolic size.
+    """
+    if bindings:
+        bindings = {**_bind_sizes(bindings), **bindings}
     nodes = cone(output, bindings)
     if nodes is None:
         raise ValueError(f"{output} depends on values other than {list(bindings)}")
@@ -88,7 +107,7 @@ def evaluate(output: torch.fx.Node, bindings: dict[torch.fx.Node, Any]) -> Any:
         return env[arg] if isinstance(arg, torch.fx.Node) else arg
 
     for node in nodes:
-        args, kwargs = tree_map(load, (node.args, node.kwargs))
+        args, kwargs = tree_map(load, (node.args, dict(node.kwargs)))
         if "device" in kwargs:
             kwargs["device"] = torch.device("cpu")
         env[node] = node.target(*args, **kwargs)

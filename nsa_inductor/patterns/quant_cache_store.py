@@ -1,17 +1,376 @@
-"""act_quant followed by the K-cache store -> nsa.quant_cache_store."""
+"""act_quant followed by the K-cache store -> one ``nsa.quant_cache_store``.
+
+The idiom, as eager code writes it (``Indexer.store_k`` and ``KCacheLayout.store``)::
+
+    k_fp8, k_scale = act_quant(k)                       # amax, 1e-4 floor, / fp8 max, [2^ceil(log2)], clamp, cast
+    cache.view(-1)[value_offsets(slot)] = k_fp8 bytes   # or values[page, pos] = ... through views of the page bytes
+    cache.view(-1)[scale_offsets(slot)] = k_scale bytes # or scales[page, pos] = k_scale on an fp32 view
+
+In the post-grad graph the store is a chain of ``index_put`` writes on views of the cache, folded back with
+``reshape``/``view.dtype``/``slice_scatter``, ending in the epilogue ``copy_`` into the cache input. The pass anchors
+on that ``copy_`` and proves, rather than pattern-matches, what the chain does:
+
+- each write's destination is a view of the cache (checked through the fake tensors' shared storage), so the bytes it
+  touches are ``storage_offset + sum(index * stride)``; the index expressions are evaluated on probe slot ids and the
+  resulting byte offsets must equal the compile-time layout's ``value_offsets`` / ``scale_offsets``;
+- the values written are the act_quant output (fp8 max of the cast's own dtype, 1e-4 floor, one 128-wide block) and
+  the scale written is that act_quant's scale;
+- padding: either the masked form (``where(slot >= 0, new - old, 0)`` accumulated, which writes nothing for negative
+  slots: exactly the op) or plain overwrites, whose negative slots wrap like Python indices; those become the wrapped
+  slot ``slot + num_slots`` so the op writes the same bytes.
+
+The replacement is inserted as ``auto_functionalized`` so Inductor reinplaces it: no copy of the cache remains.
+"""
 
 from __future__ import annotations
 
-import torch.fx
+import operator
+from dataclasses import dataclass
 
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..layout import KCacheLayout
 from ..pass_manager import PassContext, PassResult
+from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
+from .graph_utils import aten, evaluate, insert_call, is_op, prims, val
+
+# Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
+REINTERPRET_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.view.dtype,
+                   aten.alias.default, aten.squeeze.dim, aten.unsqueeze.default)
+
+
+class NoMatch(Exception):
+    """A check failed: the message is the near-miss reason."""
+
+
+@dataclass
+class Write:
+    node: torch.fx.Node  # the index_put
+    offsets: torch.Tensor  # [probe, bytes_per_token] byte offsets written for each probe slot
+    masked: bool  # True: writes nothing for negative slots; False: negative slots wrap
+    payload: torch.fx.Node  # the new value (before the masked delta)
+
+
+def _strip(node: torch.fx.Node) -> torch.fx.Node:
+    """The producer behind byte-preserving reinterpretations (a ``select`` of a size-1 dim counts as a squeeze)."""
+    while is_op(node, *REINTERPRET_OPS) or (
+            is_op(node, aten.select.int) and int(val(node.args[0]).shape[node.args[1]]) == 1):
+        node = node.args[0]
+    return node
+
+
+def _same_storage(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = val(a), val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage()))
+
+
+def _slice_args(node: torch.fx.Node, first: int) -> tuple:
+    """``(dim, start, end, step)`` of a slice / slice_scatter, defaults filled in."""
+    names = ("dim", "start", "end", "step")
+    defaults = (0, None, None, 1)
+    given = list(node.args[first:]) + [None] * 4
+    ndim = val(node.args[0]).dim()
+    out = [node.kwargs.get(n, given[i] if given[i] is not None else defaults[i]) for i, n in enumerate(names)]
+    out[0] = out[0] % ndim
+    return tuple(out)
+
+
+def _contiguous_from_zero(node: torch.fx.Node) -> bool:
+    v = val(node)
+    return v.storage_offset() == 0 and v.is_contiguous()
+
+
+def _dest_root(dest: torch.fx.Node, scatters: list[torch.fx.Node]) -> torch.fx.Node:
+    """The value a write's destination is a window of; pops the slice_scatter that puts the window back."""
+    node = dest
+    while is_op(node, *REINTERPRET_OPS) and _same_storage(node, node.args[0]):
+        node = node.args[0]
+    if scatters and is_op(node, aten.slice.Tensor) and node.args[0] is scatters[-1].args[0]:
+        if _slice_args(node, 1) != _slice_args(scatters[-1], 2):
+            raise NoMatch("a window of the cache is written back at another place than it was read from")
+        if not _same_storage(node, node.args[0]):
+            raise NoMatch("the written window is a copy, not a view of the cache")
+        return scatters.pop().args[0]
+    if not _contiguous_from_zero(node) or val(dest).numel() * val(dest).element_size() != val(node).numel() * val(
+            node).element_size():
+        raise NoMatch("a write goes through a partial view of the cache that is not scattered back")
+    return node
+
+
+def _probe_slots(layout: KCacheLayout, num_slots: int) -> torch.Tensor:
+    """Slot ids that tell layouts apart: whole first pages, both ends of the cache, and padding values."""
+    ends = [num_slots - 1, num_slots - layout.page_size, num_slots // 2 + 5]
+    first = torch.arange(min(num_slots, 3 * max(layout.page_size, 16) + 3))
+    return torch.cat([first, torch.tensor([s for s in ends if 0 <= s < num_slots]),
+                      torch.tensor([-1, -2, -layout.page_size - 1])])
+
+
+def _slot_input(nodes: list[torch.fx.Node]) -> torch.fx.Node:
+    leaves: set[torch.fx.Node] = set()
+    stack = list(nodes)
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            leaves.add(node)
+        stack.extend(node.all_input_nodes)
+    tensors = [n for n in leaves if isinstance(val(n), torch.Tensor)]
+    if len(tensors) != 1 or val(tensors[0]).dim() != 1 or val(tensors[0]).dtype not in (torch.int32, torch.int64):
+        raise NoMatch(f"the write indices must depend on one 1-D integer input (the slot mapping), found {tensors}")
+    return tensors[0]
+
+
+def _written_offsets(dest: torch.fx.Node, indices: list, slot: torch.fx.Node, probe: torch.Tensor) -> torch.Tensor:
+    """Byte offsets (relative to the cache's storage) each probe slot's write touches, in element order."""
+    dval = val(dest)
+    index_vals = []
+    for dim, index in enumerate(indices):
+        if index is None:
+            raise NoMatch("index_put with a None (sliced) index")
+        try:
+            idx = evaluate(index, {slot: probe}).long()
+        except ValueError:
+            raise NoMatch(f"index {index} depends on more than the slot mapping") from None
+        size = int(dval.shape[dim])
+        index_vals.append(torch.where(idx < 0, idx + size, idx))
+    index_vals = torch.broadcast_tensors(*index_vals)
+    if index_vals[0].dim() == 0 or index_vals[0].shape[0] != probe.shape[0]:
+        raise NoMatch("the write's index does not have one row per token")
+    strides = [int(s) for s in dval.stride()]
+    element = int(dval.storage_offset()) + sum(i * s for i, s in zip(index_vals, strides))
+    trailing = list(dval.shape[len(indices):])
+    for size, stride in zip(trailing, strides[len(indices):]):
+        element = element.unsqueeze(-1) + torch.arange(int(size)) * stride
+    element = element.reshape(probe.shape[0], -1)
+    itemsize = dval.element_size()
+    return (element.unsqueeze(-1) * itemsize + torch.arange(itemsize)).reshape(probe.shape[0], -1)
+
+
+def _masked_payload(values: torch.fx.Node, dest: torch.fx.Node, indices: list, slot: torch.fx.Node,
+                    probe: torch.Tensor) -> torch.fx.Node:
+    """``where(slot >= 0, new - dest[indices], 0)``: returns ``new``; the mask must be exactly ``slot >= 0``."""
+    if not is_op(values, aten.where.self) or not is_op(values.args[1], aten.sub.Tensor):
+        raise NoMatch("an accumulating write must add where(slot >= 0, new - old, 0)")
+    mask, delta, other = values.args
+    new, old = delta.args
+    zero = other if not isinstance(other, torch.fx.Node) else evaluate(other, {})
+    if float(zero) != 0:
+        raise NoMatch(f"the masked-out delta is {zero}, not 0")
+    if not is_op(old, aten.index.Tensor) or old.args[0] is not dest or list(old.args[1]) != list(indices):
+        raise NoMatch("the accumulated delta does not subtract the bytes already at the written offsets")
+    try:
+        keep = evaluate(mask, {slot: probe})
+    except ValueError:
+        raise NoMatch("the padding mask depends on more than the slot mapping") from None
+    rows = keep.reshape(probe.shape[0], -1)
+    if not (rows == (probe >= 0)[:, None]).all():
+        raise NoMatch("the padding mask is not slot >= 0")
+    return new
+
+
+def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayout, num_slots: int
+                  ) -> tuple[list[Write], torch.fx.Node]:
+    """Walk back from the value copied into the cache to the cache input, collecting every write on the way.
+
+    Between writes only byte-preserving reshapes, dtype views and slice_scatters of a window read from the same
+    value are allowed, so each write's fake-tensor strides say exactly which cache bytes it lands on.
+    """
+    probe = _probe_slots(layout, num_slots)
+    writes: list[Write] = []
+    scatters: list[torch.fx.Node] = []
+    slot = None
+    node = final
+    if not _contiguous_from_zero(cache):
+        raise NoMatch("the cache input is not contiguous")
+    while node is not cache or scatters:
+        if is_op(node, *REINTERPRET_OPS):
+            node = node.args[0]
+        elif is_op(node, aten.slice_scatter.default):
+            scatters.append(node)
+            node = node.args[1]
+        elif is_op(node, aten.index_put.default):
+            dest, indices, values = node.args[:3]
+            accumulate = bool(node.args[3]) if len(node.args) > 3 else bool(node.kwargs.get("accumulate", False))
+            indices = list(indices)
+            slot = slot or _slot_input([i for i in indices if i is not None])
+            offsets = _written_offsets(dest, indices, slot, probe)
+            payload = _masked_payload(values, dest, indices, slot, probe) if accumulate else values
+            if not _one_row_per_token(payload, slot, offsets.shape[1]):
+                raise NoMatch("the written values are not one row of bytes per token")
+            writes.append(Write(node, offsets, accumulate, payload))
+            node = _dest_root(dest, scatters)
+        else:
+            raise NoMatch(f"the value copied into the cache is built by {node.target}, not by writes into the cache")
+    if not writes:
+        raise NoMatch("no write into the cache was found")
+    return writes, slot
+
+
+def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_token: int) -> bool:
+    shape = val(payload).shape
+    row_bytes = val(payload).element_size()
+    for size in shape[1:]:
+        row_bytes *= int(size)
+    return len(shape) >= 1 and str(shape[0]) == str(val(slot).shape[0]) and row_bytes == bytes_per_token
+
+
+@dataclass
+class ActQuant:
+    k: torch.fx.Node
+    values: torch.fx.Node  # the fp8 convert
+    scale: torch.fx.Node
+    scale_fmt: str
+    fp8_dtype: torch.dtype
+
+
+def _scalar(node_or_value) -> float:
+    if isinstance(node_or_value, torch.fx.Node):
+        raise NoMatch(f"{node_or_value.name} is not a constant")
+    return float(node_or_value)
+
+
+def _match_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, float, float]:
+    if is_op(node, aten.clamp.default):
+        return node.args[0], _scalar(node.args[1]), _scalar(node.args[2])
+    if is_op(node, aten.clamp_max.default) and is_op(node.args[0], aten.clamp_min.default):
+        return node.args[0].args[0], _scalar(node.args[0].args[1]), _scalar(node.args[1])
+    if is_op(node, aten.clamp_min.default) and is_op(node.args[0], aten.clamp_max.default):
+        return node.args[0].args[0], _scalar(node.args[1]), _scalar(node.args[0].args[1])
+    raise NoMatch("the quantized values are not clamped to [-fp8 max, fp8 max]")
+
+
+def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> str:
+    """Returns the scale format after checking ``amax(|x|).clamp(1e-4) / fmax`` [``-> 2^ceil(log2(.))``]."""
+    raw, fmt = scale, "fp32"
+    if is_op(scale, aten.exp2.default) or is_op(scale, aten.pow.Scalar) and _scalar(scale.args[0]) == 2.0:
+        exponent = scale.args[0] if is_op(scale, aten.exp2.default) else scale.args[1]
+        if not is_op(exponent, aten.ceil.default) or not is_op(exponent.args[0], aten.log2.default):
+            raise NoMatch("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
+        raw, fmt = exponent.args[0].args[0], "ue8m0"
+    if is_op(raw, aten.div.Tensor):
+        divisor = _scalar(raw.args[1])
+    elif is_op(raw, aten.mul.Tensor):
+        divisor = 1.0 / _scalar(raw.args[1])
+    else:
+        raise NoMatch("the scale is not amax / fp8 max")
+    if divisor != fmax and float(torch.tensor(1.0 / divisor, dtype=torch.float32)) != float(
+            torch.tensor(1.0 / fmax, dtype=torch.float32)):
+        raise NoMatch(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
+    floor = raw.args[0]
+    if not is_op(floor, aten.clamp_min.default) or abs(_scalar(floor.args[1]) - AMAX_FLOOR) > 1e-12:
+        raise NoMatch(f"amax is not floored at {AMAX_FLOOR}")
+    amax = floor.args[0]
+    if not is_op(amax, aten.amax.default) or not is_op(amax.args[0], aten.abs.default):
+        raise NoMatch("the scale is not built from amax(|x|)")
+    dims = [int(d) % val(blocks).dim() for d in amax.args[1]]
+    if amax.args[0].args[0] is not blocks or dims != [val(blocks).dim() - 1]:
+        raise NoMatch("amax is not taken over the last dimension of the quantized blocks")
+    return fmt
+
+
+def _match_act_quant(values: torch.fx.Node) -> ActQuant:
+    if not is_op(values, prims.convert_element_type.default) or values.args[1] not in FP8_DTYPES:
+        raise NoMatch(f"the cached values are not an fp8 cast ({values.target})")
+    fp8_dtype = values.args[1]
+    fmax = fp8_max(fp8_dtype)
+    quotient, low, high = _match_clamp(values.args[0])
+    if (low, high) != (-fmax, fmax):
+        raise NoMatch(f"values clamped to [{low}, {high}], but {fp8_dtype}'s max is {fmax}")
+    if not is_op(quotient, aten.div.Tensor) or not isinstance(quotient.args[1], torch.fx.Node):
+        raise NoMatch("the values are not x / scale")
+    blocks, scale = quotient.args
+    if int(val(blocks).shape[-1]) != 128:
+        raise NoMatch(f"quant block is {val(blocks).shape[-1]} wide, the cache holds 128-value blocks")
+    scale_fmt = _match_scale(scale, blocks, fmax)
+    k = _strip(blocks)
+    if is_op(k, prims.convert_element_type.default) and val(k).dtype == torch.float32:
+        k = k.args[0]
+    kval = val(k)
+    if kval.dim() != 2 or int(kval.shape[-1]) != 128 or kval.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise NoMatch(f"the quantized tensor is {kval.dtype} {list(kval.shape)}, expected [T, 128]")
+    return ActQuant(k, values, scale, scale_fmt, fp8_dtype)
+
+
+def _expected(layout: KCacheLayout, probe: torch.Tensor, masked: bool, num_slots: int, scale: bool) -> torch.Tensor:
+    slots = probe if masked else torch.where(probe < 0, probe + num_slots, probe)
+    offsets = layout.scale_offsets(slots.clamp(min=0)) if scale else layout.value_offsets(slots.clamp(min=0))
+    return offsets
+
+
+def _check_offsets(writes: list[Write], layout: KCacheLayout, num_slots: int) -> tuple[Write, Write]:
+    probe = _probe_slots(layout, num_slots)
+    value_writes = [w for w in writes if w.offsets.shape[1] == 128]
+    scale_writes = [w for w in writes if w.offsets.shape[1] == 4]
+    if len(value_writes) != 1 or len(scale_writes) != 1 or len(writes) != 2:
+        raise NoMatch(f"expected one 128-byte value write and one 4-byte scale write per token, found "
+                      f"{[w.offsets.shape[1] for w in writes]} bytes")
+    for write, is_scale in ((value_writes[0], False), (scale_writes[0], True)):
+        rows = probe >= 0 if write.masked else torch.ones_like(probe, dtype=torch.bool)
+        want = _expected(layout, probe, write.masked, num_slots, is_scale)
+        if not torch.equal(write.offsets[rows], want[rows]):
+            what = "scale" if is_scale else "value"
+            raise NoMatch(f"the {what} bytes are written at offsets that are not the {layout} layout's")
+    if value_writes[0].masked != scale_writes[0].masked:
+        raise NoMatch("values and scale treat padding slots differently")
+    return value_writes[0], scale_writes[0]
 
 
 class QuantCacheStore:
     name = "quant_cache_store"
 
     def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        return PassResult()
+        result = PassResult()
+        layout = ctx.decision.layout
+        for anchor in list(graph.nodes):
+            if not is_op(anchor, aten.copy_.default) or anchor.args[0].op != "placeholder":
+                continue
+            cache, final = anchor.args[0], anchor.args[1]
+            cval = val(cache)
+            if not isinstance(cval, torch.Tensor) or cval.dtype != torch.uint8 or cval.dim() != 2:
+                continue
+            try:
+                self._rewrite(graph, cache, final, layout)
+                result.matched += 1
+            except NoMatch as reason:
+                result.miss(anchor, str(reason))
+        if result.matched:
+            graph.eliminate_dead_code()
+        return result
+
+    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout) -> None:
+        cval = val(cache)
+        if int(cval.shape[1]) != layout.page_bytes:
+            raise NoMatch(f"cache rows are {cval.shape[1]} bytes, the compile-time layout {layout} has "
+                          f"{layout.page_bytes}-byte pages")
+        num_slots = int(cval.shape[0]) * layout.page_size
+        writes, slot = _parse_writes(final, cache, layout, num_slots)
+        value_write, scale_write = _check_offsets(writes, layout, num_slots)
+        quant = _match_act_quant(_strip(value_write.payload))
+        if _strip(scale_write.payload) is not _strip(quant.scale):
+            raise NoMatch("the scale written is not the scale of the quantized values")
+        if val(slot).shape[0] != val(quant.k).shape[0]:
+            raise NoMatch("the slot mapping and the quantized tensor have different token counts")
+
+        with graph.inserting_before(final):
+            slots = slot
+            if not value_write.masked:
+                wrapped = insert_call(graph, aten.add.Tensor, (slot, num_slots))
+                negative = insert_call(graph, aten.lt.Scalar, (slot, 0))
+                slots = insert_call(graph, aten.where.self, (negative, wrapped, slot))
+            stored = insert_call(
+                graph, torch.ops.higher_order.auto_functionalized, (torch.ops.nsa.quant_cache_store.default,),
+                {"k": quant.k, "cache": cache, "slot_mapping": slots, "page_size": layout.page_size,
+                 "preshuffle": layout.preshuffle, "scale_fmt": quant.scale_fmt, "fp8_dtype": quant.fp8_dtype},
+            )
+            new_cache = insert_call(graph, operator.getitem, (stored, 1))
+            replacement = insert_call(graph, aten.reshape.default, (new_cache, list(val(final).shape)))
+        final.replace_all_uses_with(replacement)
 
 
 PASS = QuantCacheStore()

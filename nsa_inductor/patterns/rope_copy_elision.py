@@ -1,17 +1,392 @@
-"""Removes RoPE write-backs whose source is proven to be the destination itself."""
+"""Removes RoPE write-backs whose source is proven to be the destination itself.
+
+Eager spellings (all become ``slice -> copy -> slice_scatter`` / ``select_scatter`` in the post-grad graph)::
+
+    q[..., :r] = q_pe                      # q_pe = q[..., :r] (a view whose elements were rotated in place)
+    k.narrow(-1, 0, r).copy_(k_rope)       # k_rope = k.narrow(-1, 0, r)
+    x[:, 3] = x[:, 3]                      # select_scatter
+
+In the functional graph the write-back reads ``slice(base'', dim, a, b, s)`` of a value equal to ``base`` and
+scatters it back into ``base`` at the same ``(dim, a, b, s)``: ``slice_scatter(base, slice(base, ...), ...) ==
+base`` element for element, so the scatter is replaced by ``base``. Proof obligations (each failing one is a near
+miss with its values):
+
+- the scatter's source, after value-preserving steps (reshape/view/squeeze/unsqueeze chains that end in the same
+  shape, ``clone``, same-dtype ``convert_element_type``, ``copy(dst, s)`` with ``dst`` and ``s`` of one shape and
+  dtype), is a ``slice``/``select`` node of the same shape and dtype as the source;
+- that slice reads a value equal to the scatter's ``base``: both reduce, through the same value-preserving steps,
+  to one node, and have equal shapes and dtypes (a reshape chain of one node to one shape holds the same elements);
+- the slice and the scatter have the same dim, start, end and step (index for select), compared after
+  normalising defaults and negative dims, symbolically for SymInts (no guards are added);
+- nothing mutates that node before the scatter (only a graph input's epilogue ``copy_`` can, in this graph).
+
+The in-place ``q_pe.copy_(rope(q_pe))`` that precedes the write-back is a real write (its source is computed) and
+is reported as a near miss, never removed.
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
+from .graph_utils import VIEW_OPS, is_op, val
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
+_SLICE_FOR = {aten.slice_scatter.default: aten.slice.Tensor, aten.select_scatter.default: aten.select.int}
+_IDENTITY = (aten.clone.default, aten.alias.default)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# value equality in a functional graph
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small helpers shared with empty_logits_buffer / head_gate_gemm: symbolic comparisons (proven without adding
+# guards), slice arguments, describing and erasing nodes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sym_value(x: Any) -> Any:
+    return val(x) if isinstance(x, torch.fx.Node) else x
+
+
+def sym_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for ints, SymInts or FX nodes holding SymInts, proven without adding guards."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if a is b:
+        return True
+    a, b = _sym_value(a), _sym_value(b)
+    if a is None or b is None:
+        return a is b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - anything unprovable counts as "not equal"
+        return False
+
+
+def known_ge(a: Any, b: Any) -> bool:
+    """``a >= b`` proven without adding guards (ints, SymInts, FX nodes of SymInts)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    a, b = _sym_value(a), _sym_value(b)
+    if a is None or b is None:
+        return False
+    try:
+        return bool(statically_known_true(a >= b))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def as_int(x: Any) -> int | None:
+    """A plain int for an int, a constant SymInt or a node holding one; ``None`` when symbolic."""
+    x = _sym_value(x)
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        try:
+            return int(x.node.expr) if x.node.expr.is_number else None
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def sym_same_shape(a: Any, b: Any) -> bool:
+    """Fake values of ``a`` and ``b`` have provably equal shapes (symbolic sizes compared without guards)."""
+    ta, tb = val(a), val(b)
+    if not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != tb.dim():
+        return False
+    return all(sym_equal(x, y) for x, y in zip(ta.shape, tb.shape))
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else dim
+
+
+def slice_params(node: torch.fx.Node, first: int) -> tuple:
+    """``(dim, start, end, step)`` of a slice (``first`` = 1) or slice_scatter (``first`` = 2), defaults filled."""
+
+    def arg(index: int, name: str, default: Any) -> Any:
+        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+    start, end = arg(first + 1, "start", None), arg(first + 2, "end", None)
+    return (arg(first, "dim", 0), 0 if start is None else start, sys.maxsize if end is None else end,
+            arg(first + 3, "step", 1))
+
+
+def describe(node: Any) -> str:
+    """``name (op)`` for messages."""
+    if not isinstance(node, torch.fx.Node):
+        return repr(node)
+    target = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+    return f"{node.name} ({target})"
+
+
+def erase_dead(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """Erase ``nodes`` and, transitively, their inputs once they have no users (pure call_function nodes only)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if getattr(node, "_erased", False) or node.graph is not graph or node.op != "call_function" \
+                or node.users or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        stack.extend(inputs)
+
+
+def _tensor(node: Any) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def value_step(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input ``node`` holds the same elements as (in row-major order), or ``None`` if ``node`` computes."""
+    if is_op(node, *VIEW_OPS) or is_op(node, *_IDENTITY):
+        return node.args[0]
+    if is_op(node, prims.convert_element_type.default):
+        src = node.args[0]
+        ts, tn = _tensor(src), _tensor(node)
+        if ts is not None and tn is not None and ts.dtype == tn.dtype:
+            return src
+        return None
+    if is_op(node, aten.copy.default):
+        dst, src = node.args[0], node.args[1]
+        td, ts = _tensor(dst), _tensor(src)
+        if td is not None and ts is not None and td.dtype == ts.dtype and sym_same_shape(dst, src):
+            return src
+        return None
+    return None
+
+
+def value_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow :func:`value_step` back as far as it goes."""
+    while isinstance(node, torch.fx.Node):
+        nxt = value_step(node)
+        if not isinstance(nxt, torch.fx.Node):
+            break
+        node = nxt
+    return node
+
+
+def same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """``a`` and ``b`` hold equal elements: one root through value-preserving steps, one shape, one dtype."""
+    ta, tb = _tensor(a), _tensor(b)
+    if ta is None or tb is None or ta.dtype != tb.dtype or not sym_same_shape(a, b):
+        return False
+    return value_root(a) is value_root(b)
+
+
+def mutated_before(root: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node | None:
+    """A node that mutates ``root`` (or a view of it) placed before ``anchor``, if any."""
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None)
+            if user.op == "call_function" and schema is not None and schema.is_mutable:
+                if order.get(user, -1) < order[anchor]:
+                    return user
+            if is_op(user, *VIEW_OPS):
+                stack.append(user)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# slice parameters
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def same_range(a: tuple, b: tuple, ndim: int, size: Any) -> bool:
+    """Two ``(dim, start, end, step)`` tuples select the same elements of a tensor with ``ndim`` dims."""
+    if norm_dim(a[0], ndim) != norm_dim(b[0], ndim):
+        return False
+    if all(sym_equal(x, y) for x, y in zip(a[1:], b[1:])):
+        return True
+    ints = [as_int(x) for x in (*a[1:], *b[1:], size)]
+    if any(i is None for i in ints):
+        return False
+    s0, e0, st0, s1, e1, st1, n = ints
+    return range(n)[s0:e0:st0] == range(n)[s1:e1:st1]
+
+
+def same_index(a: tuple, b: tuple, ndim: int, size: Any) -> bool:
+    """Two ``(dim, index)`` select positions pick the same slab."""
+    if norm_dim(a[0], ndim) != norm_dim(b[0], ndim):
+        return False
+    if sym_equal(a[1], b[1]):
+        return True
+    i0, i1, n = as_int(a[1]), as_int(b[1]), as_int(size)
+    return None not in (i0, i1, n) and i0 % n == i1 % n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pass
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _source_chain(src: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """The node the scatter source reduces to through value-preserving steps, and the steps' nodes."""
+    chain = [src]
+    node = src
+    while True:
+        nxt = value_step(node)
+        if not isinstance(nxt, torch.fx.Node):
+            return node, chain
+        node = nxt
+        chain.append(node)
+
+
+def _is_rope_like(node: torch.fx.Node, depth: int = 6) -> bool:
+    """A concatenation/stack of products within a few producers: how RoPE rotations look once traced."""
+    stack, seen = [(node, 0)], set()
+    found_cat = found_mul = False
+    while stack:
+        n, d = stack.pop()
+        if n in seen or d > depth or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        found_cat |= is_op(n, aten.cat.default, aten.stack.default)
+        found_mul |= is_op(n, aten.mul.Tensor)
+        stack.extend((i, d + 1) for i in n.all_input_nodes)
+    return found_cat and found_mul
+
+
+def _why_not_identity(node: torch.fx.Node) -> str:
+    """Why the value walk stopped at ``node`` (a computed value, a dtype change, a broadcasting copy)."""
+    if is_op(node, aten.copy.default):
+        td, ts = _tensor(node.args[0]), _tensor(node.args[1])
+        return (f"source is a copy that changes dtype or broadcasts ({describe(node)}: dst "
+                f"{td.dtype if td is not None else None} {list(td.shape) if td is not None else None}, src "
+                f"{ts.dtype if ts is not None else None} {list(ts.shape) if ts is not None else None})")
+    what = "a RoPE output computed out of place" if _is_rope_like(node) else "a computed value"
+    if is_op(node, prims.convert_element_type.default):
+        src = node.args[0]
+        inner = src
+        while is_op(inner, *VIEW_OPS, prims.convert_element_type.default):
+            inner = inner.args[0]
+        if is_op(inner, aten.slice.Tensor, aten.select.int):
+            return (f"source is a dtype change of a slice ({describe(node)}: {_tensor(src).dtype} -> "
+                    f"{_tensor(node).dtype}), not the destination's own elements")
+        return (f"source is {what} ({describe(node)}, {_tensor(src).dtype} -> {_tensor(node).dtype}), "
+                "not the destination")
+    return f"source is {what} ({describe(node)}), not the destination"
+
+
+def _is_read(node: torch.fx.Node) -> bool:
+    """``node``'s elements are read by some user (being only the destination of ``copy`` is no read)."""
+    return any(not (is_op(u, aten.copy.default) and u.args[0] is node and node not in u.args[1:]) for u in node.users)
+
+
+def _looks_like_writeback(scatter: torch.fx.Node) -> bool:
+    """A slice/select of the destination's value with the scatter's range exists (the eager idiom's shape)."""
+    base = scatter.args[0]
+    root = value_root(base)
+    sl_target = _SLICE_FOR[scatter.target]
+    if _source_chain(scatter.args[1])[0].target is sl_target:
+        return True  # the source is a slice (of another tensor, or another range)
+    first_ndim = _tensor(base).dim() if _tensor(base) is not None else 0
+    params = slice_params(scatter, 2) if sl_target is aten.slice.Tensor else (scatter.args[2], scatter.args[3])
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.target is sl_target and user.args[0] is node and _tensor(node) is not None \
+                    and _tensor(node).dim() == first_ndim and _is_read(user):
+                other = slice_params(user, 1) if sl_target is aten.slice.Tensor else (user.args[1], user.args[2])
+                if norm_dim(other[0], first_ndim) == norm_dim(params[0], first_ndim):
+                    return True
+            if value_step(user) is node:
+                stack.append(user)
+    return False
+
+
+def check_writeback(scatter: torch.fx.Node) -> str | None:
+    """``None`` when ``scatter`` provably rewrites its base with its base's own elements, else the failed check."""
+    base, src = scatter.args[0], scatter.args[1]
+    tb, ts = _tensor(base), _tensor(src)
+    if tb is None or ts is None:
+        return "no fake tensor metadata on the scatter's inputs"
+    sl, _ = _source_chain(src)
+    sl_target = _SLICE_FOR[scatter.target]
+    if sl.target is not sl_target:
+        return _why_not_identity(sl)
+    tsl = _tensor(sl)
+    if tsl is None or tsl.dtype != ts.dtype or not sym_same_shape(sl, src):
+        return (f"source {describe(sl)} is reshaped to another shape before the write "
+                f"({list(tsl.shape) if tsl is not None else None} vs {list(ts.shape)})")
+    sliced = sl.args[0]
+    if not same_value(sliced, base):
+        tsd = _tensor(sliced)
+        return (f"source slices {describe(sliced)} (root {describe(value_root(sliced))}, "
+                f"{tsd.dtype if tsd is not None else None} {list(tsd.shape) if tsd is not None else None}), "
+                f"a different tensor than the destination {describe(base)} (root {describe(value_root(base))}, "
+                f"{tb.dtype} {list(tb.shape)})")
+    ndim = tb.dim()
+    if sl_target is aten.slice.Tensor:
+        mine, theirs = slice_params(scatter, 2), slice_params(sl, 1)
+        size = tb.shape[norm_dim(mine[0], ndim)] if ndim else None
+        if not same_range(mine, theirs, ndim, size):
+            return (f"different ranges: the write covers (dim, start, end, step) = {_fmt(mine)}, the source was "
+                    f"read from {_fmt(theirs)}")
+    else:
+        mine, theirs = (scatter.args[2], scatter.args[3]), (sl.args[1], sl.args[2])
+        size = tb.shape[norm_dim(mine[0], ndim)] if ndim else None
+        if not same_index(mine, theirs, ndim, size):
+            return f"different positions: the write goes to (dim, index) = {_fmt(mine)}, the source is {_fmt(theirs)}"
+    root = value_root(base)
+    mutator = mutated_before(root, scatter)
+    if mutator is not None:
+        return f"{describe(root)} is mutated by {describe(mutator)} before the write-back"
+    return None
+
+
+def _fmt(params: tuple) -> str:
+    return "(" + ", ".join(str(val(p)) if isinstance(p, torch.fx.Node) else str(p) for p in params) + ")"
 
 
 class RopeCopyElision:
     name = "rope_copy_elision"
 
-    def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        return PassResult()
+    def __call__(self, graph: torch.fx.Graph, ctx: PassContext | None = None) -> PassResult:
+        result = PassResult()
+        for node in list(graph.nodes):
+            if node.graph is not graph or node.op != "call_function":
+                continue
+            if node.target in SCATTERS:
+                reason = check_writeback(node)
+                if reason is None:
+                    base = node.args[0]
+                    node.replace_all_uses_with(base)
+                    erase_dead(graph, [node])
+                    result.matched += 1
+                elif _looks_like_writeback(node):
+                    result.miss(node, reason)
+            elif is_op(node, aten.copy.default) and not any(u.target in SCATTERS for u in node.users) \
+                    and same_value(node.args[1], node.args[0]) and mutated_before(value_root(node.args[0]), node) is None:
+                # ``dst.copy_(src)`` of a whole tensor whose source is the destination's own value
+                node.replace_all_uses_with(node.args[0])
+                erase_dead(graph, [node])
+                result.matched += 1
+        return result
 
 
 PASS = RopeCopyElision()

@@ -1,0 +1,209 @@
+"""nsa.paged_mqa_logits pass: fires on plain-torch decode logits (reference and independently written indexers, all
+layouts, dynamic token counts), never on look-alikes (wrong mask, no relu, wrong layout, weights not per head, sum
+over the wrong axis), and the compiled program equals eager."""
+
+import functools
+import pathlib
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from nsa_inductor.indexer import Indexer, IndexerConfig
+from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.workload import decode_batch
+from other_indexer import OtherIndexer
+from pass_helpers import count_ops, graph_dirs, pass_entry, pass_graphs
+from reference64 import assert_logits_close
+from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
+
+NAME = "paged_mqa_logits"
+OP = "nsa.paged_mqa_logits"
+
+
+def run_and_compare(eager_fn, compiled_fn, batch):
+    eager, comp = batch.clone(), batch.clone()
+    with torch.no_grad():
+        logits, topk = eager_fn(*eager.args)
+        c_logits, c_topk = compiled_fn(*comp.args)
+    assert torch.equal(eager.kv_cache, comp.kv_cache), "K-cache bytes differ"
+    assert_logits_close(c_logits, logits)
+    for row, (a, b) in enumerate(zip(topk, c_topk)):
+        assert set(a.tolist()) == set(b.tolist()), f"top-k sets differ in row {row}"
+
+
+def assert_fired(dump_dir: pathlib.Path, name=NAME, op=OP):
+    dirs = graph_dirs(dump_dir)
+    assert dirs, "no graph was compiled"
+    for g in dirs:
+        entry = pass_entry(g, name)
+        assert entry["matched"] >= 1, entry["near_misses"]
+        before, after = pass_graphs(g, name)
+        assert count_ops(before, op) == 0 and count_ops(after, op) == 1
+        assert count_ops(before, "aten.bmm") + count_ops(before, "aten.mm") > count_ops(after, "aten.bmm") + \
+            count_ops(after, "aten.mm")
+        assert count_ops(after, "aten.bmm") == 0 and count_ops(after, "aten.relu") == 0
+
+
+def misses(dump_dir: pathlib.Path, name=NAME) -> list[str]:
+    reasons = []
+    for g in graph_dirs(dump_dir):
+        entry = pass_entry(g, name)
+        assert entry["matched"] == 0, f"{name} fired on {g}"
+        reasons += [m["reason"] for m in entry["near_misses"]]
+    return reasons
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# positive: reference indexer (shares the compiled models of test_compiled_indexer), both next_n, dynamic T
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_fires_on_reference_decode(config_name, layout_name):
+    eager_fn, compiled_fn, dump_dir = compiled(config_name, layout_name, "decode")
+    config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
+    # next_n=1 then next_n=2 with another batch size: the second compile has a symbolic token count
+    for batch in batches(config, layout, "decode"):
+        run_and_compare(eager_fn, compiled_fn, batch)
+    assert len(graph_dirs(dump_dir)) >= 2
+    assert_fired(dump_dir)
+
+
+@functools.cache
+def other(layout_name: str, entry: str):
+    layout = LAYOUTS[layout_name]
+    config = CONFIGS["deepseek_v32"]
+    ref = Indexer(config, layout)
+    ref.reset_parameters(torch.Generator().manual_seed(0))
+    model = OtherIndexer(config, layout.page_size).load_from(ref)
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-other-{layout_name}-{entry}-"))
+    options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    fn = getattr(model, entry)
+    return fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
+
+
+@pytest.mark.parametrize("layout_name", ["flat", "paged"])
+def test_fires_on_other_indexer(layout_name):
+    eager_fn, compiled_fn, dump_dir = other(layout_name, "decode")
+    layout = LAYOUTS[layout_name]
+    batch = decode_batch(CONFIGS["deepseek_v32"], layout, [5, 33, 0, 17], next_n=1, max_len=48, seed=1)
+    eager, comp = batch.clone(), batch.clone()
+    with torch.no_grad():
+        logits, _ = eager_fn(*eager.args)
+        c_logits, _ = compiled_fn(*comp.args)
+    assert_logits_close(c_logits, logits)
+    assert_fired(dump_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# property: one fixed-shape compiled model, varying context lengths (0, non-multiples of the page) and tables
+# ---------------------------------------------------------------------------------------------------------------
+
+FIXED_PAGES = 64
+
+
+def fixed_shape_batch(config, layout, context_lens, next_n, seed):
+    batch = decode_batch(config, layout, context_lens, next_n=next_n, max_len=48, seed=seed)
+    cache = layout.allocate(FIXED_PAGES * layout.page_size)
+    cache[: batch.kv_cache.shape[0]] = batch.kv_cache
+    batch.kv_cache = cache
+    return batch
+
+
+@settings(max_examples=8)
+@given(layout_name=st.sampled_from(sorted(LAYOUTS)), next_n=st.sampled_from([1, 2]),
+       lens=st.lists(st.integers(0, 48), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_property_context_lengths(layout_name, next_n, lens, seed):
+    eager_fn, compiled_fn, dump_dir = property_model(layout_name, next_n)
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS[layout_name]
+    run_and_compare(eager_fn, compiled_fn, fixed_shape_batch(config, layout, lens, next_n, seed))
+    assert_fired(dump_dir)
+
+
+@functools.cache
+def property_model(layout_name, next_n):
+    """A fresh compiled model per (layout, next_n): the shapes stay fixed, so hypothesis never recompiles."""
+    layout = LAYOUTS[layout_name]
+    model = Indexer(CONFIGS["deepseek_v32"], layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-paged-prop-"))
+    options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    return model.decode, torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options), dump_dir
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# negative: look-alikes must not be rewritten, and the reason is recorded
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Variant(Indexer):
+    """The reference decode with one deliberate change in the logits (``variant``)."""
+
+    variant = ""
+
+    def decode(self, x, q_lora, positions, slot_mapping, kv_cache, block_table, context_lens):
+        c = self.config
+        batch, max_pages = block_table.shape
+        next_n = x.shape[0] // batch
+        max_len = max_pages * self.layout.page_size
+        self.store_k(x, positions, slot_mapping, kv_cache)
+        q_fp8, q_scale = self.project_q(q_lora, positions)
+        weights = self.head_gates(x, q_scale)
+        if self.variant == "weights_not_per_head":
+            weights = weights.mean(dim=1, keepdim=True).expand(-1, c.n_heads)
+        key_pos = torch.arange(max_len, device=x.device)
+        from nsa_inductor.indexer import paged_slots
+
+        slots = paged_slots(block_table, key_pos.expand(batch, max_len), self.layout.page_size)
+        k_fp8, k_scale = self.layout.load(kv_cache, slots.flatten(), c.fp8_dtype)
+        k = k_fp8.float().view(batch, max_len, c.head_dim)
+        scores = torch.einsum("bnhd,bsd->bnhs", q_fp8.view(batch, next_n, c.n_heads, c.head_dim).float(), k)
+        if self.variant != "no_relu":
+            scores = scores.relu()
+        scores = scores * k_scale.view(batch, 1, 1, max_len)
+        scores = scores * weights.view(batch, next_n, c.n_heads, 1)
+        if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
+            scores = scores.sum(dim=1)
+        else:
+            scores = scores.sum(dim=2)
+        last_visible = context_lens.view(batch, 1) - next_n + torch.arange(next_n, device=x.device)
+        if self.variant == "mask_off_by_one":
+            visible = key_pos < last_visible.unsqueeze(-1)
+        else:
+            visible = key_pos <= last_visible.unsqueeze(-1)
+        logits = torch.full((batch * next_n, c.max_model_len), float("-inf"), device=x.device)
+        logits[:, :max_len] = scores.masked_fill(~visible, float("-inf")).view(batch * next_n, max_len)
+        return logits, self._topk(logits)
+
+
+NEGATIVES = {
+    # variant: (eager layout, compiled layout option, next_n, expected words in the reason)
+    "mask_off_by_one": ("paged", "paged", 1, "mask"),
+    "no_relu": ("paged", "paged", 1, "relu"),
+    "weights_not_per_head": ("paged", "paged", 1, "weights"),
+    "sum_over_tokens": ("paged", "paged", 16, ""),
+    "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
+    "layout_paged_vs_flat": ("paged", "flat", 1, ""),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(NEGATIVES))
+def test_does_not_fire_on_lookalikes(variant):
+    eager_layout, compiled_layout, next_n, words = NEGATIVES[variant]
+    config = CONFIGS["deepseek_v32"]
+    assert config.n_heads == 16
+    layout = LAYOUTS[eager_layout]
+    model = type("V", (Variant,), {"variant": variant})(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-neg-{variant}-"))
+    c_layout = LAYOUTS[compiled_layout]
+    options = {"nsa.layout": compiled_layout, "nsa.page_size": c_layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", options=options)
+    lens = [5, 33, 17] if next_n == 1 else [20, 40]
+    run_and_compare(model.decode, compiled_fn, decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=1))
+    reasons = misses(dump_dir)
+    assert reasons, "no near miss recorded"
+    assert any(words in r for r in reasons), reasons

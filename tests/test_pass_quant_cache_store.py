@@ -1,0 +1,167 @@
+"""quant_cache_store: act_quant + K-cache store -> nsa.quant_cache_store (counts, near misses, bytes vs eager)."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.quant import act_quant
+from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+
+LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(16), "preshuffle": KCacheLayout(16, preshuffle=True)}
+NUM_SLOTS = 96
+
+
+def reference_store(layout, scale_fmt="ue8m0", fp8_dtype=torch.float8_e4m3fn, **quant_kwargs):
+    def store(k, slots, cache):
+        k_fp8, k_scale = act_quant(k, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype, **quant_kwargs)
+        layout.store(cache, slots, k_fp8, k_scale[:, 0])
+
+    return store
+
+
+def page_view_store(page_size):
+    """Another spelling: views of the page bytes, plain overwrites, pow(2, .) for ue8m0."""
+
+    def store(k, slots, cache):
+        x = k.float()
+        scale = torch.pow(2.0, torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0)))
+        k_fp8 = torch.clamp(x / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+        pages = cache.view(-1, page_size * 132)
+        values = pages[:, : page_size * 128].unflatten(1, (page_size, 128))
+        scales = pages[:, page_size * 128 :].view(torch.float32)
+        values[slots // page_size, slots % page_size] = k_fp8.view(torch.uint8)
+        scales[slots // page_size, slots % page_size] = scale.squeeze(-1)
+
+    return store
+
+
+def masked_differently(layout):
+    """Padding mask ``slot > 0``: slot 0 is never written, which the op would write. Must not fire."""
+
+    def store(k, slots, cache):
+        k_fp8, k_scale = act_quant(k)
+        flat = cache.view(-1)
+        valid = (slots > 0)[:, None]
+        for offsets, new in ((layout.value_offsets(slots.clamp(min=0)), k_fp8.view(torch.uint8)),
+                             (layout.scale_offsets(slots.clamp(min=0)), k_scale.view(torch.uint8).view(-1, 4))):
+            flat.index_put_((offsets,), torch.where(valid, new - flat[offsets], 0), accumulate=True)
+
+    return store
+
+
+VARIANTS = {
+    # name: (store function, compile-time layout name, expected to fire)
+    "flat": (reference_store(LAYOUTS["flat"]), "flat", True),
+    "paged": (reference_store(LAYOUTS["paged"]), "paged", True),
+    "preshuffle": (reference_store(LAYOUTS["preshuffle"]), "preshuffle", True),
+    "paged-fp32-scale": (reference_store(LAYOUTS["paged"], scale_fmt="fp32"), "paged", True),
+    "preshuffle-fnuz": (reference_store(LAYOUTS["preshuffle"], fp8_dtype=torch.float8_e4m3fnuz), "preshuffle", True),
+    "page-views-flat": (page_view_store(1), "flat", True),
+    "page-views-paged": (page_view_store(16), "paged", True),
+    "near-miss-fp8-max-224": (reference_store(LAYOUTS["paged"], max_value=224.0), "paged", False),
+    "near-miss-block-64": (reference_store(LAYOUTS["paged"], block_size=64), "paged", False),
+    "near-miss-wrong-layout": (reference_store(LAYOUTS["paged"]), "preshuffle", False),
+    "near-miss-mask": (masked_differently(LAYOUTS["paged"]), "paged", False),
+}
+REASONS = {
+    "near-miss-fp8-max-224": "max is 448",
+    "near-miss-block-64": "quant block is 64 wide",
+    "near-miss-wrong-layout": "not the preshuffle(page_size=16) layout",
+    "near-miss-mask": "padding mask is not slot >= 0",
+}
+
+
+@functools.cache
+def compiled(variant):
+    fn, layout_name, _ = VARIANTS[variant]
+    layout = LAYOUTS[layout_name]
+    compiled_fn, dump_dir = compile_with_dumps(
+        fn, {"nsa.layout": layout_name, "nsa.page_size": layout.page_size}, dynamic=False)
+    return fn, compiled_fn, dump_dir
+
+
+def inputs(variant, num_tokens, seed, padding=True, dtype=torch.bfloat16):
+    layout = LAYOUTS[VARIANTS[variant][1] if "wrong-layout" not in variant else "paged"]
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.randn(num_tokens, 128, generator=gen) * torch.rand(num_tokens, 1, generator=gen) * 10).to(dtype)
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[:num_tokens]
+    if padding and num_tokens > 1:
+        slots[torch.randperm(num_tokens, generator=gen)[: num_tokens // 3]] = -1
+    cache = torch.randint(0, 256, (layout.num_pages(NUM_SLOTS), layout.page_bytes), dtype=torch.uint8, generator=gen)
+    return k, slots, cache
+
+
+def run_both(variant, num_tokens=8, seed=0, padding=True):
+    fn, compiled_fn, _ = compiled(variant)
+    padding = padding and not variant.startswith("page-views")
+    k, slots, cache = inputs(variant, num_tokens, seed, padding)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fn(k, slots, eager_cache)
+    compiled_fn(k, slots, compiled_cache)
+    return eager_cache, compiled_cache
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fires_exactly_on_the_idiom_and_keeps_bytes(variant):
+    eager_cache, compiled_cache = run_both(variant)
+    assert torch.equal(eager_cache, compiled_cache), "cache bytes differ from eager"
+    _, _, dump_dir = compiled(variant)
+    (graph_dir,) = graph_dirs(dump_dir)
+    entry = pass_entry(graph_dir, "quant_cache_store")
+    before, after = pass_graphs(graph_dir, "quant_cache_store")
+    fires = VARIANTS[variant][2]
+    assert entry["matched"] == int(fires)
+    assert count_ops(before, "nsa.quant_cache_store") == 0
+    assert count_ops(after, "nsa.quant_cache_store") == int(fires)
+    assert (count_ops(after, "aten.index_put") == 0) == fires
+    if fires:
+        assert count_ops(after, "aten.log2") == 0 and count_ops(after, "aten.amax") == 0
+    else:
+        (miss,) = entry["near_misses"]
+        assert REASONS[variant] in miss["reason"]
+
+
+def test_the_rewritten_store_is_reinplaced():
+    """No copy of the cache is left in the generated code: the op writes the cache input itself."""
+    from torch._inductor.utils import run_and_get_code
+
+    fn, _, _ = compiled("paged")
+    k, slots, cache = inputs("paged", 8, 0)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(fn, backend="nsa_rocm", options={"nsa.layout": "paged", "nsa.page_size": 16})
+    _, (code, *_) = run_and_get_code(compiled_fn, k, slots, cache)
+    assert "nsa.quant_cache_store.default(" in code
+    assert "auto_functionalized" not in code and ".copy_(" not in code
+
+
+@given(num_tokens=st.sampled_from([1, 5, 8]), seed=st.integers(0, 10_000),
+       variant=st.sampled_from(["flat", "paged", "preshuffle", "paged-fp32-scale", "page-views-paged"]))
+def test_bytes_match_eager_for_any_slots(num_tokens, seed, variant):
+    eager_cache, compiled_cache = run_both(variant, num_tokens, seed)
+    assert torch.equal(eager_cache, compiled_cache)
+
+
+def dynamic_store(k, slots, cache):
+    """Its own code object: Dynamo's recompile state for the shared ``store`` closures does not leak into it."""
+    k_fp8, k_scale = act_quant(k)
+    LAYOUTS["paged"].store(cache, slots, k_fp8, k_scale[:, 0])
+
+
+def test_one_compile_serves_many_token_counts():
+    fn = dynamic_store
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16})
+    for num_tokens in (3, 17, 64):
+        k, slots, cache = inputs("paged", num_tokens, num_tokens)
+        torch._dynamo.mark_dynamic(k, 0)
+        torch._dynamo.mark_dynamic(slots, 0)
+        eager_cache, compiled_cache = cache.clone(), cache.clone()
+        fn(k, slots, eager_cache)
+        compiled_fn(k, slots, compiled_cache)
+        assert torch.equal(eager_cache, compiled_cache)
+    dirs = graph_dirs(dump_dir)
+    assert len(dirs) == 1, "one dynamic-shape graph serves every token count"
+    assert pass_entry(dirs[0], "quant_cache_store")["matched"] == 1
