@@ -61,7 +61,7 @@ def batch_for(config, entry):
     if entry == "decode":
         # contexts well above topk (32 on the small configs) so that top-k agreement means something
         return decode_batch(config, LAYOUT, [5, 33, 0, 170, 255, 130, 96, 200], next_n=1, max_len=256, seed=1)
-    return prefill_batch(config, LAYOUT, [120, 9, 60], padding_tokens=3, seed=3)
+    return prefill_batch(config, LAYOUT, [9, 17, 1, 40], padding_tokens=3, seed=3)
 
 
 def numerics(eager_logits, eager_topk, logits, topk):
@@ -94,8 +94,8 @@ def test_fires_and_numerics_within_bound(which, config_name, entry, mode):
     with torch.no_grad():
         logits, topk = eager_fn(*eager.args)
         c_logits, c_topk = compiled_fn(*comp.args)
-    if entry == "decode":  # (a longer prefill differs in a few cache bytes with every nsa pass off, too)
-        assert torch.equal(eager.kv_cache, comp.kv_cache), "the head gates do not feed the K cache"
+    # (a longer prefill, e.g. [120, 9, 60], differs in a few cache bytes even with every nsa pass off)
+    assert torch.equal(eager.kv_cache, comp.kv_cache), "the head gates do not feed the K cache"
     stats = numerics(logits, topk, c_logits, c_topk)
     print(which, config_name, entry, mode, stats)
     assert stats["masks_equal"]

@@ -102,7 +102,7 @@ def test_fires_on_other_indexer(layout_name):
 # property: one fixed-shape compiled model, varying context lengths (0, non-multiples of the page) and tables
 # ---------------------------------------------------------------------------------------------------------------
 
-FIXED_PAGES = 64
+FIXED_PAGES = 256
 
 
 def fixed_shape_batch(config, layout, context_lens, next_n, seed):
@@ -113,10 +113,11 @@ def fixed_shape_batch(config, layout, context_lens, next_n, seed):
     return batch
 
 
-@settings(max_examples=8)
-@given(layout_name=st.sampled_from(sorted(LAYOUTS)), next_n=st.sampled_from([1, 2]),
-       lens=st.lists(st.integers(0, 48), min_size=3, max_size=3), seed=st.integers(0, 2**16))
-def test_property_context_lengths(layout_name, next_n, lens, seed):
+@settings(max_examples=10)
+@given(layout_name=st.sampled_from(["flat", "preshuffle"]), lens=st.lists(st.integers(0, 48), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_property_context_lengths(layout_name, lens, seed):
+    next_n = 2  # rows j=0,1 see different lengths; ctx < next_n are padding rows
     eager_fn, compiled_fn, dump_dir = property_model(layout_name, next_n)
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS[layout_name]
     run_and_compare(eager_fn, compiled_fn, fixed_shape_batch(config, layout, lens, next_n, seed))

@@ -33,9 +33,8 @@ import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, insert_call, is_op, val
-from .rope_copy_elision import as_int, describe, erase_dead, known_ge, norm_dim, slice_params, sym_equal
-from .rope_copy_elision import sym_same_shape as same_shape
+from .graph_utils import (VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, known_ge, norm_dim, same_shape,
+                          slice_params, sym_equal, val)
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -3,6 +3,7 @@ evaluating an index subgraph on probe inputs (to check what an expression comput
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -34,18 +35,6 @@ def is_op(node: Any, *targets: Any) -> bool:
 def val(node: Any) -> Any:
     """The fake value Inductor recorded for ``node`` (``None`` for non-nodes or missing metadata)."""
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def strip_views(node: torch.fx.Node) -> torch.fx.Node:
-    """Follow reshape/view/squeeze/unsqueeze producers back to the first node that is not such a view."""
-    while is_op(node, *VIEW_OPS):
-        node = node.args[0]
-    return node
-
-
-def same_shape(a: Any, b: Any) -> bool:
-    va, vb = val(a), val(b)
-    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and tuple(va.shape) == tuple(vb.shape)
 
 
 def insert_call(graph: torch.fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
@@ -112,3 +101,96 @@ def evaluate(output: torch.fx.Node, bindings: dict[torch.fx.Node, Any]) -> Any:
             kwargs["device"] = torch.device("cpu")
         env[node] = node.target(*args, **kwargs)
     return env[output]
+
+
+
+
+def _sym_value(x: Any) -> Any:
+    return val(x) if isinstance(x, torch.fx.Node) else x
+
+
+def sym_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for ints, SymInts or FX nodes holding SymInts, proven without adding guards."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if a is b:
+        return True
+    a, b = _sym_value(a), _sym_value(b)
+    if a is None or b is None:
+        return a is b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - anything unprovable counts as "not equal"
+        return False
+
+
+def known_ge(a: Any, b: Any) -> bool:
+    """``a >= b`` proven without adding guards (ints, SymInts, FX nodes of SymInts)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    a, b = _sym_value(a), _sym_value(b)
+    if a is None or b is None:
+        return False
+    try:
+        return bool(statically_known_true(a >= b))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def as_int(x: Any) -> int | None:
+    """A plain int for an int, a constant SymInt or a node holding one; ``None`` when symbolic."""
+    x = _sym_value(x)
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        try:
+            return int(x.node.expr) if x.node.expr.is_number else None
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Fake values of ``a`` and ``b`` have provably equal shapes (symbolic sizes compared without guards)."""
+    ta, tb = val(a), val(b)
+    if not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != tb.dim():
+        return False
+    return all(sym_equal(x, y) for x, y in zip(ta.shape, tb.shape))
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else dim
+
+
+def slice_params(node: torch.fx.Node, first: int) -> tuple:
+    """``(dim, start, end, step)`` of a slice (``first`` = 1) or slice_scatter (``first`` = 2), defaults filled."""
+
+    def arg(index: int, name: str, default: Any) -> Any:
+        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+    start, end = arg(first + 1, "start", None), arg(first + 2, "end", None)
+    return (arg(first, "dim", 0), 0 if start is None else start, sys.maxsize if end is None else end,
+            arg(first + 3, "step", 1))
+
+
+def describe(node: Any) -> str:
+    """``name (op)`` for messages."""
+    if not isinstance(node, torch.fx.Node):
+        return repr(node)
+    target = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+    return f"{node.name} ({target})"
+
+
+def erase_dead(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """Erase ``nodes`` and, transitively, their inputs once they have no users (pure call_function nodes only)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if getattr(node, "_erased", False) or node.graph is not graph or node.op != "call_function" \
+                or node.users or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        stack.extend(inputs)

@@ -7,10 +7,13 @@ Eager spellings (post-grad form after the arrow)::
     F.linear(x.float(), W32, b32)       -> addmm(b32, convert(x_bf16, f32), permute(W32, [1, 0]))
     F.linear(x, W16).float()            -> convert(mm(x_bf16, permute(W16, [1, 0])), f32)
 
-Rewrite: ``mm(x_bf16, permute(convert(W32, bf16)), out_dtype=f32)`` (``aten.mm.dtype``: bf16 inputs, fp32
-accumulation and output, no cast kernel of x, half the weight bytes). ``aten.mm.dtype`` exists for CUDA/ROCm (and
-XPU) only; on other devices (CPU) the same numbers are computed as an fp32 ``mm`` of the bf16-rounded operands (a
-product of two bf16 values is exact in fp32, so only the summation order can differ from the GPU GEMM).
+Rewrite: one ``aten.mm.dtype(x_bf16, B_bf16, float32)`` (bf16 inputs, fp32 accumulation and output, no cast
+kernel of x). For an fp32 weight the default mode "split" uses ``B = cat([hi, lo])^T`` with ``hi`` = W with its low
+16 bits cleared and ``lo = bf16(W - hi)``, and adds the two output halves in fp32 (fused into the scale chain): about
+16 significant bits of W, ~5e-6 relative logits error. Mode "round" (``HeadGateGemm("round")``) uses ``bf16(W)``:
+half the weight bytes but ~1e-3 relative logits error, over DESIGN's contract (see docs/passes_rope_buffer_gate.md).
+``aten.mm.dtype`` exists for CUDA/ROCm (and XPU) only; on other devices (CPU) the same numbers are computed as an
+fp32 ``mm`` of the bf16 operands (a product of two bf16 values is exact in fp32; only summation order differs).
 
 The weight ``W`` must be module state: a ``get_attr`` constant (frozen; its bf16 copy is made once here), or a
 graph input that AOTAutograd lists as a static input (``TracingContext.fw_metadata.static_input_indices``:
@@ -29,8 +32,7 @@ import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, insert_call, is_op, val
-from .rope_copy_elision import as_int, describe, erase_dead, sym_equal
+from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, sym_equal, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -188,10 +190,15 @@ class HeadGateGemm:
                     node.meta["val"] = torch.empty_strided(folded.shape, folded.stride(), dtype=folded.dtype,
                                                            device=fake.device)
                 return node
-        hi = insert_call(graph, prims.convert_element_type.default, (w, torch.bfloat16))
         if self.mode != "split":
-            return hi
-        hi32 = insert_call(graph, prims.convert_element_type.default, (hi, torch.float32))
+            return insert_call(graph, prims.convert_element_type.default, (w, torch.bfloat16))
+        # hi = W with its low 16 bits cleared (exactly representable in bf16), lo = bf16(W - hi). Not
+        # ``bf16(W)`` and ``W - f32(bf16(W))``: Inductor's fused GPU kernels drop the rounding of a bf16 round-trip
+        # (they compute in fp32), which would make lo zero. Bit operations are never simplified away.
+        bits = insert_call(graph, aten.view.dtype, (w, torch.int32))
+        hi32 = insert_call(graph, aten.view.dtype,
+                           (insert_call(graph, aten.bitwise_and.Scalar, (bits, -65536)), torch.float32))
+        hi = insert_call(graph, prims.convert_element_type.default, (hi32, torch.bfloat16))
         lo = insert_call(graph, prims.convert_element_type.default,
                          (insert_call(graph, aten.sub.Tensor, (w, hi32)), torch.bfloat16))
         return insert_call(graph, aten.cat.default, ([hi, lo], cat_dim))

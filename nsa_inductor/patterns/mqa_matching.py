@@ -124,6 +124,7 @@ class Probes:
     num_pages: int
     keys: int  # key columns of the logits (decode max_len / prefill N)
     gen: torch.Generator
+    max_seq: int | None = None  # tokens one block-table row reaches (prefill probe lengths stay within it)
     block_table: torch.fx.Node | None = None
     ctx_lens: torch.fx.Node | None = None
     cu_seqlens: torch.fx.Node | None = None
@@ -152,8 +153,17 @@ class Probes:
                 value[: min(size, 2)] = torch.tensor([0, self.keys])[: min(size, 2)]
                 self.ctx_lens = node
             elif size == self.batch + 1 and self.cu_seqlens in (None, node):
-                cuts = torch.randint(0, self.keys + 1, (size - 2,), generator=self.gen).sort().values
-                value = torch.cat([torch.tensor([0]), cuts, torch.tensor([self.keys])])
+                cap = self.max_seq or self.keys
+                lens = torch.zeros(size - 1, dtype=torch.int64)
+                left = self.keys
+                for i in torch.randperm(size - 1, generator=self.gen).tolist():
+                    take = min(cap, left, int(torch.randint(0, cap + 1, (1,), generator=self.gen)))
+                    lens[i], left = take, left - take
+                for i in range(size - 1):  # the rest, where there is room
+                    take = min(cap - int(lens[i]), left)
+                    lens[i], left = lens[i] + take, left - take
+                lens[-1] += left
+                value = torch.cat([torch.tensor([0]), lens.cumsum(0)])
                 self.cu_seqlens = node
             else:
                 raise Unproven(f"index sub-graph reads graph input {node.name} {list(v.shape)}, which is neither "
@@ -434,8 +444,8 @@ def strip_reindex(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _numel(node: torch.fx.Node) -> int:
-    return math.prod(shape_of(node))
+def _numel(node: torch.fx.Node) -> Any:
+    return val(node).numel()
 
 
 def product_tree(node: torch.fx.Node, numel: int | None = None) -> tuple[list[torch.fx.Node], list[Any]]:
@@ -443,7 +453,7 @@ def product_tree(node: torch.fx.Node, numel: int | None = None) -> tuple[list[to
     (broadcast) mul is one factor, e.g. the weights computed as ``gates * q_scale * c``."""
     numel = _numel(node) if numel is None else numel
     node = strip_reindex(node)
-    if is_op(node, aten.mul.Tensor) and _numel(node) == numel:
+    if is_op(node, aten.mul.Tensor) and statically_known_true(_numel(node) == numel):
         tensors, scalars = [], []
         for a in node.args[:2]:
             if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor) and val(a).dim() > 0:
@@ -536,7 +546,8 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     cache_pages = 1
     for leaf in leaves:
         cache_pages = max(cache_pages, math.prod(shape_of(leaf)) // layout.page_bytes)
-    probes = Probes(batch, cache_pages, keys, torch.Generator().manual_seed(1234))
+    max_seq = shape_of(block_tables[0])[1] * layout.page_size if len(block_tables) == 1 else None
+    probes = Probes(batch, cache_pages, keys, torch.Generator().manual_seed(1234), max_seq)
     prober = Prober(probes, leaves)
 
     # --- samples of output elements: rows/cols at the edges, page boundaries and random ---
@@ -826,8 +837,10 @@ def reshape(graph: torch.fx.Graph, node: torch.fx.Node, shape: list[Any]) -> tor
     return insert_call(graph, aten.reshape.default, (node, shape))
 
 
-def replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node) -> None:
-    """Point the users of ``old`` at ``new`` (reshaped to old's shape), then drop what became dead."""
+def replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, known: tuple = ()) -> None:
+    """Point the users of ``old`` at ``new`` (reshaped to old's shape), then drop what became dead.
+
+    ``known``: ``(size, node-or-int)`` pairs already in the graph, used for symbolic sizes of old's shape."""
     out_shape = list(val(old).shape)
     if list(val(new).shape) != out_shape:
         sizes = [s if isinstance(s, int) else None for s in out_shape]
@@ -836,6 +849,10 @@ def replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node) -> No
             unknown = []
             for i, s in enumerate(sizes):
                 if s is None:
+                    hit = [n for size, n in known if not isinstance(size, int) and statically_known_true(size == out_shape[i])]
+                    if hit:
+                        sizes[i] = hit[0]
+                        continue
                     try:
                         sizes[i] = size_arg(graph, out_shape[i], sources)
                     except Unproven:

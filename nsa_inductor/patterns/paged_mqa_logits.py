@@ -11,8 +11,11 @@ preshuffle)`` reshaped to the shape the consumers expected. Anything unproven is
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..pass_manager import PassContext, PassResult
 from .graph_utils import insert_call, val
@@ -24,7 +27,12 @@ def rewrite(graph: torch.fx.Graph, m, layout) -> None:
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(m.where):
         batch = size_arg(graph, val(bt).shape[0], [bt])
-        max_len = size_arg(graph, val(m.where).shape[-1], [bt, m.q, *inputs])
+        max_len = val(m.where).shape[-1]
+        if not isinstance(max_len, int) and statically_known_true(max_len == val(bt).shape[1] * layout.page_size):
+            pages = size_arg(graph, val(bt).shape[1], [bt])
+            max_len = insert_call(graph, operator.mul, (pages, layout.page_size))
+        else:
+            max_len = size_arg(graph, max_len, [bt, m.q, *inputs])
         q = reshape(graph, m.q, [batch, -1, heads, HEAD_DIM])
         weights = reshape(graph, m.weights, [-1, heads])
         cache = m.cache
@@ -35,7 +43,7 @@ def rewrite(graph: torch.fx.Graph, m, layout) -> None:
             (q, cache, weights, as_dtype(graph, lens, torch.int32), as_dtype(graph, bt, torch.int32), max_len,
              layout.page_size, layout.preshuffle),
         )
-        replace(graph, m.where, out)
+        replace(graph, m.where, out, known=((val(bt).shape[0], batch), (val(m.where).shape[-1], max_len)))
 
 
 class PagedMqaLogits:

@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..layout import KCacheLayout
 from ..pass_manager import PassContext, PassResult
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
-from .graph_utils import aten, evaluate, insert_call, is_op, prims, val
+from .graph_utils import aten, evaluate, insert_call, is_op, norm_dim, prims, slice_params, val
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.view.dtype,
@@ -67,15 +67,9 @@ def _same_storage(a: torch.fx.Node, b: torch.fx.Node) -> bool:
             and StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage()))
 
 
-def _slice_args(node: torch.fx.Node, first: int) -> tuple:
-    """``(dim, start, end, step)`` of a slice / slice_scatter, defaults filled in."""
-    names = ("dim", "start", "end", "step")
-    defaults = (0, None, None, 1)
-    given = list(node.args[first:]) + [None] * 4
-    ndim = val(node.args[0]).dim()
-    out = [node.kwargs.get(n, given[i] if given[i] is not None else defaults[i]) for i, n in enumerate(names)]
-    out[0] = out[0] % ndim
-    return tuple(out)
+def _slice_range(node: torch.fx.Node, first: int) -> tuple:
+    dim, start, end, step = slice_params(node, first)
+    return norm_dim(dim, val(node.args[0]).dim()), start, end, step
 
 
 def _contiguous_from_zero(node: torch.fx.Node) -> bool:
@@ -89,7 +83,7 @@ def _dest_root(dest: torch.fx.Node, scatters: list[torch.fx.Node]) -> torch.fx.N
     while is_op(node, *REINTERPRET_OPS) and _same_storage(node, node.args[0]):
         node = node.args[0]
     if scatters and is_op(node, aten.slice.Tensor) and node.args[0] is scatters[-1].args[0]:
-        if _slice_args(node, 1) != _slice_args(scatters[-1], 2):
+        if _slice_range(node, 1) != _slice_range(scatters[-1], 2):
             raise NoMatch("a window of the cache is written back at another place than it was read from")
         if not _same_storage(node, node.args[0]):
             raise NoMatch("the written window is a copy, not a view of the cache")

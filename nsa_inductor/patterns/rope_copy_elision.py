@@ -26,15 +26,13 @@ is reported as a near miss, never removed.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, is_op, val
+from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, is_op, norm_dim, same_shape, slice_params, sym_equal, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -47,103 +45,6 @@ _IDENTITY = (aten.clone.default, aten.alias.default)
 # ---------------------------------------------------------------------------------------------------------------
 # value equality in a functional graph
 # ---------------------------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# small helpers shared with empty_logits_buffer / head_gate_gemm: symbolic comparisons (proven without adding
-# guards), slice arguments, describing and erasing nodes
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _sym_value(x: Any) -> Any:
-    return val(x) if isinstance(x, torch.fx.Node) else x
-
-
-def sym_equal(a: Any, b: Any) -> bool:
-    """``a == b`` for ints, SymInts or FX nodes holding SymInts, proven without adding guards."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if a is b:
-        return True
-    a, b = _sym_value(a), _sym_value(b)
-    if a is None or b is None:
-        return a is b
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001 - anything unprovable counts as "not equal"
-        return False
-
-
-def known_ge(a: Any, b: Any) -> bool:
-    """``a >= b`` proven without adding guards (ints, SymInts, FX nodes of SymInts)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    a, b = _sym_value(a), _sym_value(b)
-    if a is None or b is None:
-        return False
-    try:
-        return bool(statically_known_true(a >= b))
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def as_int(x: Any) -> int | None:
-    """A plain int for an int, a constant SymInt or a node holding one; ``None`` when symbolic."""
-    x = _sym_value(x)
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    if isinstance(x, torch.SymInt):
-        try:
-            return int(x.node.expr) if x.node.expr.is_number else None
-        except Exception:  # noqa: BLE001
-            return None
-    return None
-
-
-def sym_same_shape(a: Any, b: Any) -> bool:
-    """Fake values of ``a`` and ``b`` have provably equal shapes (symbolic sizes compared without guards)."""
-    ta, tb = val(a), val(b)
-    if not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != tb.dim():
-        return False
-    return all(sym_equal(x, y) for x, y in zip(ta.shape, tb.shape))
-
-
-def norm_dim(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else dim
-
-
-def slice_params(node: torch.fx.Node, first: int) -> tuple:
-    """``(dim, start, end, step)`` of a slice (``first`` = 1) or slice_scatter (``first`` = 2), defaults filled."""
-
-    def arg(index: int, name: str, default: Any) -> Any:
-        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-    start, end = arg(first + 1, "start", None), arg(first + 2, "end", None)
-    return (arg(first, "dim", 0), 0 if start is None else start, sys.maxsize if end is None else end,
-            arg(first + 3, "step", 1))
-
-
-def describe(node: Any) -> str:
-    """``name (op)`` for messages."""
-    if not isinstance(node, torch.fx.Node):
-        return repr(node)
-    target = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
-    return f"{node.name} ({target})"
-
-
-def erase_dead(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
-    """Erase ``nodes`` and, transitively, their inputs once they have no users (pure call_function nodes only)."""
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if getattr(node, "_erased", False) or node.graph is not graph or node.op != "call_function" \
-                or node.users or node.is_impure():
-            continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        stack.extend(inputs)
 
 
 def _tensor(node: Any) -> torch.Tensor | None:
@@ -164,7 +65,7 @@ def value_step(node: torch.fx.Node) -> torch.fx.Node | None:
     if is_op(node, aten.copy.default):
         dst, src = node.args[0], node.args[1]
         td, ts = _tensor(dst), _tensor(src)
-        if td is not None and ts is not None and td.dtype == ts.dtype and sym_same_shape(dst, src):
+        if td is not None and ts is not None and td.dtype == ts.dtype and same_shape(dst, src):
             return src
         return None
     return None
@@ -183,7 +84,7 @@ def value_root(node: torch.fx.Node) -> torch.fx.Node:
 def same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     """``a`` and ``b`` hold equal elements: one root through value-preserving steps, one shape, one dtype."""
     ta, tb = _tensor(a), _tensor(b)
-    if ta is None or tb is None or ta.dtype != tb.dtype or not sym_same_shape(a, b):
+    if ta is None or tb is None or ta.dtype != tb.dtype or not same_shape(a, b):
         return False
     return value_root(a) is value_root(b)
 
@@ -330,7 +231,7 @@ def check_writeback(scatter: torch.fx.Node) -> str | None:
     if sl.target is not sl_target:
         return _why_not_identity(sl)
     tsl = _tensor(sl)
-    if tsl is None or tsl.dtype != ts.dtype or not sym_same_shape(sl, src):
+    if tsl is None or tsl.dtype != ts.dtype or not same_shape(sl, src):
         return (f"source {describe(sl)} is reshaped to another shape before the write "
                 f"({list(tsl.shape) if tsl is not None else None} vs {list(ts.shape)})")
     sliced = sl.args[0]

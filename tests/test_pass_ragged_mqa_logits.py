@@ -1,0 +1,118 @@
+"""nsa.mqa_logits (+ nsa.gather_k) pass: fires on plain-torch ragged causal prefill logits (reference and
+independently written indexers, all layouts, dynamic token counts), never on look-alikes, and compiled == eager."""
+
+import pathlib
+import tempfile
+
+import pytest
+import torch
+
+from nsa_inductor.indexer import Indexer
+from nsa_inductor.workload import prefill_batch
+from pass_helpers import count_ops, graph_dirs, pass_entry, pass_graphs
+from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
+from test_pass_paged_mqa_logits import misses, other, run_and_compare
+
+NAME = "ragged_mqa_logits"
+
+
+def assert_fired(dump_dir: pathlib.Path, gathered: bool = True):
+    dirs = graph_dirs(dump_dir)
+    assert dirs, "no graph was compiled"
+    for g in dirs:
+        entry = pass_entry(g, NAME)
+        assert entry["matched"] >= 1, entry["near_misses"]
+        before, after = pass_graphs(g, NAME)
+        assert count_ops(before, "nsa.mqa_logits") == 0 and count_ops(after, "nsa.mqa_logits") == 1
+        assert count_ops(after, "nsa.gather_k") == int(gathered)
+        assert count_ops(after, "aten.bmm") + count_ops(after, "aten.mm") < \
+            count_ops(before, "aten.bmm") + count_ops(before, "aten.mm")
+        assert count_ops(after, "aten.relu") == 0
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_fires_on_reference_prefill(config_name, layout_name):
+    eager_fn, compiled_fn, dump_dir = compiled(config_name, layout_name, "prefill")
+    config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
+    for batch in batches(config, layout, "prefill"):
+        run_and_compare(eager_fn, compiled_fn, batch)
+    assert_fired(dump_dir)
+
+
+def test_dynamic_token_count():
+    """Several T through one compiled model: the recompiled graph has a symbolic T and still fires."""
+    eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    for lens, pad, seed in (([9, 17, 1], 3, 3), ([5, 20], 0, 4), ([33, 2, 0, 7], 1, 5)):
+        run_and_compare(eager_fn, compiled_fn, prefill_batch(config, layout, lens, padding_tokens=pad, seed=seed))
+    assert len(graph_dirs(dump_dir)) >= 2
+    assert_fired(dump_dir)
+
+
+@pytest.mark.parametrize("layout_name", ["flat", "paged"])
+def test_fires_on_other_indexer(layout_name):
+    eager_fn, compiled_fn, dump_dir = other(layout_name, "prefill")
+    batch = prefill_batch(CONFIGS["deepseek_v32"], LAYOUTS[layout_name], [9, 17, 1], seed=3)
+    eager, comp = batch.clone(), batch.clone()
+    with torch.no_grad():
+        logits, _ = eager_fn(*eager.args)
+        c_logits, _ = compiled_fn(*comp.args)
+    from reference64 import assert_logits_close
+
+    assert torch.equal(eager.kv_cache, comp.kv_cache)
+    assert_logits_close(c_logits, logits)
+    assert_fired(dump_dir)
+
+
+class Variant(Indexer):
+    variant = ""
+
+    def prefill(self, x, q_lora, positions, slot_mapping, kv_cache, block_table, cu_seqlens):
+        from nsa_inductor.indexer import paged_slots
+
+        c = self.config
+        num_tokens = x.shape[0]
+        self.store_k(x, positions, slot_mapping, kv_cache)
+        q_fp8, q_scale = self.project_q(q_lora, positions)
+        weights = self.head_gates(x, q_scale)
+        token = torch.arange(num_tokens, device=x.device)
+        seq = torch.searchsorted(cu_seqlens[1:], token, right=True)
+        ks = cu_seqlens[seq].long()
+        slots = paged_slots(block_table[seq], (token - ks)[:, None], self.layout.page_size).squeeze(1)
+        k_fp8, k_scale = self.layout.load(kv_cache, slots, c.fp8_dtype)
+        scores = torch.einsum("thd,sd->ths", q_fp8.float(), k_fp8.float())
+        if self.variant != "no_relu":
+            scores = scores.relu()
+        scores = (scores * k_scale * weights.unsqueeze(-1)).sum(dim=1)
+        if self.variant == "strictly_causal":
+            visible = (token >= ks[:, None]) & (token < token[:, None])
+        elif self.variant == "not_ragged":
+            visible = token <= token[:, None]
+        else:
+            visible = (token >= ks[:, None]) & (token <= token[:, None])
+        logits = torch.where(visible, scores, float("-inf"))
+        return logits, self._topk(logits, ks)
+
+
+NEGATIVES = {
+    "strictly_causal": ("paged", "paged", "mask"),
+    "not_ragged": ("paged", "paged", "mask"),
+    "no_relu": ("paged", "paged", "relu"),
+    "layout_paged_vs_preshuffle": ("paged", "preshuffle", "offsets"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(NEGATIVES))
+def test_does_not_fire_on_lookalikes(variant):
+    eager_layout, compiled_layout, words = NEGATIVES[variant]
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS[eager_layout]
+    model = type("V", (Variant,), {"variant": variant})(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-neg-prefill-{variant}-"))
+    c_layout = LAYOUTS[compiled_layout]
+    options = {"nsa.layout": compiled_layout, "nsa.page_size": c_layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    compiled_fn = torch.compile(model.prefill, backend="nsa_rocm", options=options)
+    run_and_compare(model.prefill, compiled_fn, prefill_batch(config, layout, [9, 17, 1], padding_tokens=3, seed=3))
+    reasons = misses(dump_dir, NAME)
+    assert reasons and any(words in r for r in reasons), reasons
