@@ -70,10 +70,14 @@ def linear(coords: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 
 def unravel(lin: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """Row-major coordinates of linear indices; the outermost coordinate is not wrapped (probe pages may lie past
+    the real cache: addresses are compared, never read)."""
     out = torch.empty(lin.shape[0], len(shape), dtype=torch.int64)
-    for i in range(len(shape) - 1, -1, -1):
+    for i in range(len(shape) - 1, 0, -1):
         out[:, i] = lin % shape[i] if shape[i] else 0
         lin = lin // shape[i] if shape[i] else lin
+    if shape:
+        out[:, 0] = lin
     return out
 
 
@@ -141,9 +145,8 @@ class Probes:
         elif isinstance(v, torch.Tensor) and v.dtype in INT_DTYPES and v.dim() == 2 and self.block_table in (None, node):
             rows, cols = shape_of(node)
             n = rows * cols
-            pages = torch.randperm(self.num_pages, generator=self.gen)
-            if n > self.num_pages:
-                pages = torch.randint(0, self.num_pages, (n,), generator=self.gen)
+            # distinct pages (more than the cache holds if need be: addresses are only compared, never read)
+            pages = torch.randperm(max(self.num_pages, n), generator=self.gen)
             value = pages[:n].view(rows, cols).to(v.dtype)
             self.block_table = node
         elif isinstance(v, torch.Tensor) and v.dtype in INT_DTYPES and v.dim() == 1 and self.batch is not None:
@@ -154,16 +157,13 @@ class Probes:
                 self.ctx_lens = node
             elif size == self.batch + 1 and self.cu_seqlens in (None, node):
                 cap = self.max_seq or self.keys
-                lens = torch.zeros(size - 1, dtype=torch.int64)
-                left = self.keys
-                for i in torch.randperm(size - 1, generator=self.gen).tolist():
-                    take = min(cap, left, int(torch.randint(0, cap + 1, (1,), generator=self.gen)))
-                    lens[i], left = take, left - take
-                for i in range(size - 1):  # the rest, where there is room
-                    take = min(cap - int(lens[i]), left)
-                    lens[i], left = lens[i] + take, left - take
-                lens[-1] += left
-                value = torch.cat([torch.tensor([0]), lens.cumsum(0)])
+                for _ in range(32):  # random cuts with every length within the block table's reach
+                    cuts = torch.randint(0, self.keys + 1, (size - 2,), generator=self.gen).sort().values
+                    value = torch.cat([torch.tensor([0]), cuts, torch.tensor([self.keys])])
+                    if bool((value.diff() <= cap).all()):
+                        break
+                else:
+                    value = self._greedy_cu(size, cap)
                 self.cu_seqlens = node
             else:
                 raise Unproven(f"index sub-graph reads graph input {node.name} {list(v.shape)}, which is neither "
@@ -174,6 +174,19 @@ class Probes:
             raise Unproven(f"index sub-graph reads graph input {node.name} ({desc}) that cannot be probed")
         self.values[node] = value
         return value
+
+    def _greedy_cu(self, size: int, cap: int) -> torch.Tensor:
+        """cu_seqlens of ``size - 1`` random lengths, each at most ``cap`` where the total allows, summing to keys."""
+        lens = torch.zeros(size - 1, dtype=torch.int64)
+        left = self.keys
+        for i in torch.randperm(size - 1, generator=self.gen).tolist():
+            take = min(cap, left, int(torch.randint(0, cap + 1, (1,), generator=self.gen)))
+            lens[i], left = take, left - take
+        for i in range(size - 1):
+            take = min(cap - int(lens[i]), left)
+            lens[i], left = lens[i] + take, left - take
+        lens[-1] += left
+        return torch.cat([torch.tensor([0]), lens.cumsum(0)])
 
 
 class Prober:
