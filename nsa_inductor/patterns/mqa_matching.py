@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
@@ -52,7 +52,12 @@ class Unproven(Exception):
 
 
 def hint(x: Any) -> int:
-    return x if isinstance(x, int) else int(optimization_hint(x))
+    """The example value of a size (``SymNode.hint`` exists on torch 2.11 and 2.13 alike)."""
+    if isinstance(x, int):
+        return x
+    if x.node.hint is None:
+        raise Unproven(f"size {x} has no example value (data-dependent)")
+    return int(x.node.hint)
 
 
 def shape_of(node: torch.fx.Node) -> list[int]:
