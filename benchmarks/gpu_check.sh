@@ -8,6 +8,8 @@ mode=${1:-quick}
 OUT=${OUT:-/tmp/nsa_gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# The backend is found through its entry point, which needs the package installed (the machine has torch already).
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 2
 summary=()
 
 python3 -c "import torch, triton; print(f'torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}')" \

@@ -58,7 +58,7 @@ def _round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.conste
     ``2^(e-3)`` with ``e`` the exponent of ``y``, floored at the smallest normal exponent ``MIN_EXP``
     (subnormals). Adding and subtracting 1.5 * 2^23 rounds a float below 2^22 to an integer, ties to even.
     fnuz has no negative zero (its 0x80 is NaN), hence ``SIGNED_ZERO``. The sign comes from ``sign_of`` (the
-    unscaled input: the scale is positive) because a GPU clamp may turn -0.0 into +0.0.
+    unscaled input: the scale is positive) and is set as a bit: a GPU clamp or negation may turn -0.0 into +0.0.
     """
     bits = y.to(tl.int32, bitcast=True)
     sign_negative = sign_of.to(tl.int32, bitcast=True) < 0
@@ -70,7 +70,7 @@ def _round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.conste
         negative = sign_negative
     else:
         negative = sign_negative & (r > 0.0)
-    return tl.where(negative, -r, r)
+    return (r.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
