@@ -16,7 +16,7 @@ python3 -c "import torch, triton; print(f'torch {torch.__version__} triton {trit
   | tee "$OUT/versions.txt"
 
 if [ "$mode" != "e2e" ]; then
-  python3 -m pytest -q -m gpu tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 
