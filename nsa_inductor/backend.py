@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .options import parse_options
+from .options import NsaOptions, parse_options
 from .pass_manager import NsaPassManager
 
 # Round bf16 intermediates inside fused kernels as eager does: without it the K fed to act_quant differs in the last
@@ -30,7 +30,18 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     patches.update(inductor_options)
     existing = inductor_options.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = NsaPassManager(nsa_options, inner=existing)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=_decompositions(nsa_options))
+
+
+def _decompositions(options: NsaOptions) -> dict:
+    """Inductor's decomposition table, less ``native_layer_norm`` when eager's LayerNorm kernel is kept: Inductor's
+    generated reduction sums in another order, which flips the last bf16 bit of some K values before act_quant."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = dict(select_decomp_table())
+    if options.eager_layer_norm:
+        table.pop(torch.ops.aten.native_layer_norm.default, None)
+    return table
 
 
 class install:

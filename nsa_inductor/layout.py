@@ -86,18 +86,20 @@ class KCacheLayout:
     def store(self, cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
         """Write ``k_fp8 [N,128]`` and ``k_scale [N]`` into ``cache`` at ``slots``; negative slots write nothing.
 
-        Padding rows are folded into the same scatter as zero increments (uint8 arithmetic wraps), so the store
-        stays shape-static and deterministic when a padding row and a real row share a clamped offset.
+        The cache is written as 32-bit words (a token's values are 32 aligned words, its scale one), and padding
+        rows are folded into the same scatter as zero increments (integer arithmetic wraps), so the store stays
+        shape-static, deterministic when a padding row and a real row share a clamped offset, and compilable by
+        Inductor on GPUs (atomic adds exist for int32, not for uint8).
         """
         valid = (slots >= 0)[:, None]
         safe = slots.clamp(min=0)
-        flat = cache.view(-1)
+        words = cache.view(torch.int32).view(-1)
         for offsets, new in (
-            (self.value_offsets(safe), k_fp8.view(torch.uint8)),
-            (self.scale_offsets(safe), k_scale.float().contiguous().view(torch.uint8).view(-1, SCALE_BYTES)),
+            (self.value_offsets(safe)[:, ::SCALE_BYTES] // SCALE_BYTES, k_fp8.contiguous().view(torch.int32)),
+            (self.scale_offsets(safe)[:, :1] // SCALE_BYTES, k_scale.float().contiguous().view(torch.int32)[:, None]),
         ):
-            delta = torch.where(valid, new - flat[offsets], 0)
-            flat.index_put_((offsets,), delta, accumulate=True)
+            delta = torch.where(valid, new - words[offsets], 0)
+            words.index_put_((offsets,), delta, accumulate=True)
 
     def load(self, cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Read ``(k_fp8 [N,128], k_scale [N] fp32)`` of ``slots`` (all non-negative)."""

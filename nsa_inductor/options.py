@@ -17,7 +17,9 @@ class NsaOptions:
     - ``dump_dir``: write before/after graphs of every pass and ``report.json`` there (default: ``NSA_INDUCTOR_DUMP_DIR``).
     - ``layout`` / ``page_size``: K-cache layout override (``flat``, ``paged``, ``preshuffle``).
     - ``disable_passes``: names of passes not to run.
-    - ``head_gate_bf16``: allow the head-gate rewrite that rounds fp32 ``weights_proj`` to bf16 (see README).
+    - ``head_gate_bf16``: allow the head-gate rewrite that runs the fp32 ``weights_proj`` GEMM on bf16 inputs.
+    - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
+      reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
 
     dump_dir: str | None = None
@@ -25,6 +27,7 @@ class NsaOptions:
     page_size: int | None = None
     disable_passes: tuple[str, ...] = ()
     head_gate_bf16: bool = True
+    eager_layer_norm: bool = True
 
     def layout_decision(self) -> capability.LayoutDecision:
         return capability.select_layout(self.layout, self.page_size)
@@ -39,6 +42,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "page_size": (int, type(None)),
     "disable_passes": (tuple, list, str),
     "head_gate_bf16": (bool,),
+    "eager_layer_norm": (bool,),
 }
 
 
