@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
 
-from .options import NsaOptions, parse_options
+from .options import parse_options
 from .pass_manager import NsaPassManager
 
 # Round bf16 intermediates inside fused kernels as eager does: without it the K fed to act_quant differs in the last
@@ -30,18 +32,41 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     patches.update(inductor_options)
     existing = inductor_options.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = NsaPassManager(nsa_options, inner=existing)
-    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=_decompositions(nsa_options))
+    with _eager_layer_norm(nsa_options.eager_layer_norm):
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def _decompositions(options: NsaOptions) -> dict:
-    """Inductor's decomposition table, less ``native_layer_norm`` when eager's LayerNorm kernel is kept: Inductor's
-    generated reduction sums in another order, which flips the last bf16 bit of some K values before act_quant."""
-    from torch._inductor.decomposition import select_decomp_table
+@contextlib.contextmanager
+def _eager_layer_norm(enabled: bool):
+    """While compiling, leave ``native_layer_norm`` undecomposed so it runs eager's kernel: Inductor's generated
+    reduction sums in another order, which flips the last bf16 bit of some K values before act_quant.
 
-    table = dict(select_decomp_table())
-    if options.eager_layer_norm:
-        table.pop(torch.ops.aten.native_layer_norm.default, None)
-    return table
+    The default decomposition table is edited in place for the duration (a custom table passed to ``compile_fx``
+    would make the FX graph cache bypass: its entries cannot be pickled into a cache key).
+    """
+    if not enabled:
+        yield
+        return
+    from torch._inductor.decomposition import decompositions
+
+    _layer_norm_fallback()
+    op = torch.ops.aten.native_layer_norm.default
+    saved = decompositions.pop(op, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            decompositions[op] = saved
+
+
+@functools.cache
+def _layer_norm_fallback() -> None:
+    """Lower an undecomposed ``native_layer_norm`` to the ATen kernel. Other compiles still decompose it before
+    lowering, so they never reach this lowering."""
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    if torch.ops.aten.native_layer_norm.default not in lowerings:
+        make_fallback(torch.ops.aten.native_layer_norm.default, warn=False, override_decomp=True)
 
 
 class install:
