@@ -26,6 +26,7 @@ The pointwise scale chain after the GEMM is not touched; Inductor fuses it into 
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ prims = torch.ops.prims
 
 _LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                   torch.float8_e5m2fnuz}
-_DOWNSTREAM_LIMIT = 400
+_DOWNSTREAM_LIMIT = 20000
 
 
 def _tensor(node: Any) -> torch.Tensor | None:
@@ -96,18 +97,21 @@ def _replay(graph: torch.fx.Graph, start: torch.fx.Node, views: list[torch.fx.No
     return start
 
 
-def _rounded_downstream(node: torch.fx.Node) -> torch.fx.Node | None:
-    """A conversion to a low-precision float that (transitively) consumes ``node``'s value, if any."""
-    seen, stack = set(), [node]
-    while stack and len(seen) < _DOWNSTREAM_LIMIT:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
+def _rounded_downstream(node: torch.fx.Node) -> str | None:
+    """Why ``node``'s fp32 value may reach a low-precision cast, or ``None`` once proven that it never does.
+
+    Breadth first, so the nearest cast is found; a downstream graph too large to walk counts as "may".
+    """
+    seen, queue = {node}, collections.deque([node])
+    while queue:
+        for user in queue.popleft().users:
             if is_op(user, prims.convert_element_type.default) and user.args[1] in _LOW_PRECISION:
-                return user
-            stack.append(user)
+                return f"rounded to {user.args[1]} downstream by {describe(user)}"
+            if user not in seen:
+                if len(seen) >= _DOWNSTREAM_LIMIT:
+                    return f"consumed by more than {_DOWNSTREAM_LIMIT} nodes, not proven to stay fp32"
+                seen.add(user)
+                queue.append(user)
     return None
 
 
@@ -243,8 +247,8 @@ class HeadGateGemm:
             return f"addmm bias {describe(mm.args[0])} is not fp32"
         rounded = _rounded_downstream(mm)
         if rounded is not None:
-            return (f"the fp32 GEMM output is rounded to {rounded.args[1]} downstream by {describe(rounded)} (e.g. a "
-                    "Hadamard rotation feeding act_quant): keeping the exact fp32 GEMM")
+            return (f"the fp32 GEMM output is {rounded} (e.g. a Hadamard rotation feeding act_quant): keeping the "
+                    "exact fp32 GEMM")
         cat_dim = 1 if b is w else 0  # W's output-feature dim
         n = as_int(tw.shape[cat_dim])
         if self.mode == "split" and n is None:
@@ -287,8 +291,7 @@ class HeadGateGemm:
                 return f"the bf16 GEMM result {describe(node)} is also used in bf16; rewriting would run the GEMM twice"
         rounded = _rounded_downstream(cvt)
         if rounded is not None:
-            return (f"the fp32 result is rounded to {rounded.args[1]} downstream by {describe(rounded)}: keeping the "
-                    "eager bf16 GEMM")
+            return f"the fp32 result is {rounded}: keeping the eager bf16 GEMM"
         with graph.inserting_before(cvt):
             new = _replay(graph, self._gemm(graph, a, b, None), views)
         cvt.replace_all_uses_with(new)
