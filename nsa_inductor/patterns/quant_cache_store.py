@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..layout import KCacheLayout
 from ..pass_manager import PassContext, PassResult
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
-from .graph_utils import aten, evaluate, insert_call, is_op, norm_dim, prims, slice_params, val
+from .graph_utils import aten, evaluate, insert_call, is_op, norm_dim, prims, same_shape, slice_params, val
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.view.dtype,
@@ -362,8 +362,10 @@ class QuantCacheStore:
                 {"k": quant.k, "cache": cache, "slot_mapping": slots, "page_size": layout.page_size,
                  "preshuffle": layout.preshuffle, "scale_fmt": quant.scale_fmt, "fp8_dtype": quant.fp8_dtype},
             )
-            new_cache = insert_call(graph, operator.getitem, (stored, 1))
-            replacement = insert_call(graph, aten.reshape.default, (new_cache, list(val(final).shape)))
+            replacement = insert_call(graph, operator.getitem, (stored, 1))
+            if not same_shape(replacement, final):
+                replacement = insert_call(graph, aten.reshape.default, (replacement, list(val(final).shape)))
+        # Handing the op's own output to the epilogue copy_ lets Inductor drop that copy once it reinplaces the op.
         final.replace_all_uses_with(replacement)
 
 
