@@ -902,3 +902,28 @@ def insert_like(graph: torch.fx.Graph, target, args: tuple, kwargs: dict, like: 
     with detect_fake_mode([val(like)]):
         node.meta["val"] = target(*[load(a) for a in args], **{k: load(v) for k, v in kwargs.items()})
     return node
+
+
+def run_family(graph: torch.fx.Graph, ctx, family: str, rewrite) -> "PassResult":
+    """Analyze every candidate once; rewrite those of ``family`` ("decode" or "prefill") with ``rewrite(graph, m,
+    layout)``. A candidate whose family cannot be told is reported as a near miss by both passes."""
+    from ..pass_manager import PassResult
+
+    result = PassResult()
+    layout = ctx.decision.layout
+    leaves = cache_values(graph)
+    for sum_node, where in candidates(graph):
+        anchor = where if where is not None else sum_node
+        if getattr(anchor, "_erased", False):
+            continue
+        try:
+            m = analyze(sum_node, where, layout, leaves)
+            if m.family != family:
+                continue
+            rewrite(graph, m, layout)
+        except Unproven as e:
+            if getattr(e, "family", None) in (None, family):
+                result.miss(anchor, str(e))
+            continue
+        result.matched += 1
+    return result

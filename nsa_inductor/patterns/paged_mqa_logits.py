@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..pass_manager import PassContext, PassResult
 from .graph_utils import insert_call, val
-from .mqa_matching import HEAD_DIM, Unproven, analyze, as_dtype, cache_values, candidates, replace, reshape, size_arg
+from .mqa_matching import HEAD_DIM, as_dtype, replace, reshape, run_family, size_arg
 
 
 def rewrite(graph: torch.fx.Graph, m, layout) -> None:
@@ -50,24 +50,7 @@ class PagedMqaLogits:
     name = "paged_mqa_logits"
 
     def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        layout = ctx.decision.layout
-        leaves = cache_values(graph)
-        for sum_node, where in candidates(graph):
-            anchor = where if where is not None else sum_node
-            if getattr(anchor, "_erased", False):
-                continue
-            try:
-                m = analyze(sum_node, where, layout, leaves)
-                if m.family != "decode":
-                    continue
-                rewrite(graph, m, layout)
-            except Unproven as e:
-                if getattr(e, "family", None) in (None, "decode"):
-                    result.miss(anchor, str(e))
-                continue
-            result.matched += 1
-        return result
+        return run_family(graph, ctx, "decode", rewrite)
 
 
 PASS = PagedMqaLogits()

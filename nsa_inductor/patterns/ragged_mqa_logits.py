@@ -17,8 +17,7 @@ import torch.fx
 
 from ..pass_manager import PassContext, PassResult
 from .graph_utils import insert_call, val
-from .mqa_matching import (HEAD_DIM, Unproven, analyze, as_dtype, cache_values, candidates, insert_like, replace,
-                           reshape, size_arg)
+from .mqa_matching import HEAD_DIM, Unproven, as_dtype, insert_like, replace, reshape, run_family, size_arg
 
 aten = torch.ops.aten
 
@@ -65,24 +64,7 @@ class RaggedMqaLogits:
     name = "ragged_mqa_logits"
 
     def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        layout = ctx.decision.layout
-        leaves = cache_values(graph)
-        for sum_node, where in candidates(graph):
-            anchor = where if where is not None else sum_node
-            if getattr(anchor, "_erased", False):
-                continue
-            try:
-                m = analyze(sum_node, where, layout, leaves)
-                if m.family != "prefill":
-                    continue
-                rewrite(graph, m, layout)
-            except Unproven as e:
-                if getattr(e, "family", None) in (None, "prefill"):
-                    result.miss(anchor, str(e))
-                continue
-            result.matched += 1
-        return result
+        return run_family(graph, ctx, "prefill", rewrite)
 
 
 PASS = RaggedMqaLogits()
