@@ -30,15 +30,15 @@ class GraphDumper:
             os.makedirs(self.directory, exist_ok=True)
 
     def graph(self, stem: str, graph: torch.fx.Graph) -> None:
-        source = graph_source(graph)
+        """Renders the graph only for a consumer: tlparse tracing (the payload is built on demand) or a dump dir."""
         trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": f"nsa_{self.name}_{stem}", "encoding": "string"},
-            payload_fn=lambda: source,
+            payload_fn=lambda: graph_source(graph),
         )
         if self.directory:
             with open(os.path.join(self.directory, f"{stem}.py"), "w") as f:
-                f.write(source)
+                f.write(graph_source(graph))
 
     def report(self, report: dict[str, Any]) -> None:
         text = json.dumps(report, indent=2, default=str)

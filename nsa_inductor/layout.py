@@ -120,5 +120,3 @@ class KCacheLayout:
         slots = torch.arange(cache.shape[0] * self.page_size, device=cache.device)
         return self.load(cache, slots, fp8_dtype)
 
-
-FLAT = KCacheLayout(page_size=1)

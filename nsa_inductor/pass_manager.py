@@ -67,7 +67,7 @@ class NsaPassManager(CustomGraphPass):
         self.capability = capability.capability()
         self.inner = inner.inner if isinstance(inner, NsaPassManager) else inner
         self.passes: list[GraphPass] = [
-            p for p in passes_for(self.capability, options) if p.name not in options.disable_passes
+            p for p in passes_for(options) if p.name not in options.disable_passes
         ]
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -111,7 +111,7 @@ class NsaPassManager(CustomGraphPass):
                 return None
         h = hashlib.sha256(_source_hash())
         for part in (self.decision.layout, self.options, self.capability, torch.__version__, inner_uuid,
-                     [p.name for p in self.passes]):
+                     [(p.name, sorted(vars(p).items())) for p in self.passes]):
             h.update(repr(part).encode())
         return h.hexdigest()
 

@@ -138,8 +138,6 @@ def random_block_table(batch, max_pages, num_pages, gen) -> torch.Tensor:
     return torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages).int()
 
 
-def k_rows(values: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).bfloat16()
 
 
 def adversarial_k(fmax: float) -> torch.Tensor:

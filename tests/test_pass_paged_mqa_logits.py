@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nsa_inductor.indexer import Indexer, IndexerConfig
-from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import decode_batch
 from other_indexer import OtherIndexer
 from pass_helpers import count_ops, graph_dirs, pass_entry, pass_graphs

@@ -165,3 +165,27 @@ def test_one_compile_serves_many_token_counts():
     dirs = graph_dirs(dump_dir)
     assert len(dirs) == 1, "one dynamic-shape graph serves every token count"
     assert pass_entry(dirs[0], "quant_cache_store")["matched"] == 1
+
+
+def per_column_scale_store(k, slots, cache):
+    """amax without keepdim: with 128 tokens the [T] scale broadcasts over columns. Must not fire."""
+    x = k.float()
+    scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1).clamp(min=1e-4) / 448.0)))
+    k_fp8 = torch.clamp(x / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+    LAYOUTS["paged"].store(cache, slots, k_fp8, scale)
+
+
+def test_a_scale_that_is_not_one_per_row_does_not_fire():
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(128, 128, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(160, generator=gen)[:128]
+    cache = torch.randint(0, 256, (LAYOUTS["paged"].num_pages(160), LAYOUTS["paged"].page_bytes), dtype=torch.uint8,
+                          generator=gen)
+    compiled_fn, dump_dir = compile_with_dumps(per_column_scale_store, {"nsa.layout": "paged", "nsa.page_size": 16})
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    per_column_scale_store(k, slots, eager_cache)
+    compiled_fn(k, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
+    assert entry["matched"] == 0
+    assert "scale is not one per block" in entry["near_misses"][0]["reason"]

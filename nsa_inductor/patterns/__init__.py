@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..capability import Capability
     from ..options import NsaOptions
     from ..pass_manager import GraphPass
 
 
-def passes_for(cap: Capability, options: NsaOptions) -> list[GraphPass]:
+def passes_for(options: NsaOptions) -> list[GraphPass]:
     """Passes in the order they must run.
 
     RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;

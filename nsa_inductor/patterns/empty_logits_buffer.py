@@ -34,17 +34,12 @@ import torch.fx
 
 from ..pass_manager import PassContext, PassResult
 from .graph_utils import (VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, known_ge, norm_dim, same_shape,
-                          slice_params, sym_equal, val)
+                          slice_params, sym_equal, tensor_val, val)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 _WRITES = (aten.slice_scatter.default, aten.select_scatter.default, aten.copy.default)
-
-
-def _tensor(node: Any) -> torch.Tensor | None:
-    v = val(node)
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _paged_logits_op() -> Any:
@@ -100,7 +95,7 @@ def _source(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
             node = node.args[0]
         elif is_op(node, aten.copy.default):
             dst, src = node.args[0], node.args[1]
-            td, ts = _tensor(dst), _tensor(src)
+            td, ts = tensor_val(dst), tensor_val(src)
             if td is None or ts is None or td.dtype != ts.dtype or not same_shape(dst, src):
                 return node, chain
             node = src
@@ -122,7 +117,7 @@ class EmptyLogitsBuffer:
         for full in list(graph.nodes):
             if full.graph is not graph or not is_op(full, aten.full.default):
                 continue
-            tf = _tensor(full)
+            tf = tensor_val(full)
             if tf is None or tf.dim() == 0:
                 continue
             writes, reads = _classify_users(full)
@@ -149,9 +144,9 @@ class EmptyLogitsBuffer:
 
     def _rewrite(self, graph: torch.fx.Graph, full: torch.fx.Node, write: torch.fx.Node) -> str | None:
         """Replace ``write`` (the only consumer of ``full``'s fill) when it provably overwrites every element."""
-        tf = _tensor(full)
+        tf = tensor_val(full)
         src = write.args[1]
-        ts = _tensor(src)
+        ts = tensor_val(src)
         if ts is None:
             return f"no fake tensor metadata on {src}"
         if is_op(write, aten.copy.default):
@@ -176,7 +171,7 @@ class EmptyLogitsBuffer:
         return self._replace_paged(graph, full, write, (dim, start, end, step))
 
     def _replace_whole(self, graph, full, write, src) -> str | None:
-        tf, ts = _tensor(full), _tensor(src)
+        tf, ts = tensor_val(full), tensor_val(src)
         with graph.inserting_before(write):
             new = src
             if not same_shape(src, full):
@@ -194,7 +189,7 @@ class EmptyLogitsBuffer:
         return None
 
     def _replace_paged(self, graph, full, write, params) -> str | None:
-        tf = _tensor(full)
+        tf = tensor_val(full)
         dim, start, end, step = params
         partial = (f"partial write: {describe(write)} covers (dim, start, end, step) = "
                    f"({dim}, {_v(start)}, {_v(end)}, {_v(step)}) of a buffer of shape {list(tf.shape)}")
@@ -203,7 +198,7 @@ class EmptyLogitsBuffer:
         if op is None or producer.target is not op:
             return f"{partial}, and the writer {describe(producer)} is not known to write -inf in the rest"
         args = _op_args(producer)
-        tl = _tensor(producer)
+        tl = tensor_val(producer)
         if args is None or tl is None:
             return f"{partial}: cannot read the arguments of {describe(producer)}"
         if not _fill_is_neg_inf(full) or tf.dtype != torch.float32 or tl.dtype != torch.float32:
@@ -212,13 +207,13 @@ class EmptyLogitsBuffer:
             return f"{partial}: paged logits fill whole rows from column 0 of a 2-D buffer only"
         if not same_shape(producer, write.args[1]) or not sym_equal(tl.shape[0], tf.shape[0]):
             return (f"{partial}: the logits {list(tl.shape)} are reshaped before the write "
-                    f"({list(_tensor(write.args[1]).shape)})")
+                    f"({list(tensor_val(write.args[1]).shape)})")
         max_len, width = args["max_len"], full.args[0][1]
         if not known_ge(end, max_len):
             return f"{partial}: the write ends at {_v(end)}, before the logits' max_len {_v(max_len)}"
         if not known_ge(width, max_len):
             return f"{partial}: max_len {_v(max_len)} is not provably <= the buffer width {_v(width)}"
-        pages = _tensor(args["block_table"]).shape[1]
+        pages = tensor_val(args["block_table"]).shape[1]
         reach = pages * args["page_size"]
         if not known_ge(max_len, reach):
             return (f"{partial}: max_len {_v(max_len)} is not provably >= the block table's reach "

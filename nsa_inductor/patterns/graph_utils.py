@@ -3,6 +3,7 @@ evaluating an index subgraph on probe inputs (to check what an expression comput
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -32,6 +33,12 @@ def is_op(node: Any, *targets: Any) -> bool:
     return False
 
 
+def tensor_val(node: Any) -> torch.Tensor | None:
+    """``val(node)`` when it is a tensor, else ``None``."""
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
 def val(node: Any) -> Any:
     """The fake value Inductor recorded for ``node`` (``None`` for non-nodes or missing metadata)."""
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -43,7 +50,7 @@ def insert_call(graph: torch.fx.Graph, target: Callable, args: tuple, kwargs: di
     node = graph.call_function(target, args, kwargs)
     fake_args, fake_kwargs = tree_map(lambda a: val(a) if isinstance(a, torch.fx.Node) else a, (args, kwargs))
     mode = detect_fake_mode([v for v in tree_flatten((fake_args, fake_kwargs))[0] if isinstance(v, torch.Tensor)])
-    with mode:
+    with mode or contextlib.nullcontext():
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
 

@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, sym_equal, val
+from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, sym_equal, tensor_val, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -41,11 +41,6 @@ prims = torch.ops.prims
 _LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                   torch.float8_e5m2fnuz}
 _DOWNSTREAM_LIMIT = 20000
-
-
-def _tensor(node: Any) -> torch.Tensor | None:
-    v = val(node)
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def static_inputs(graph: torch.fx.Graph) -> set[torch.fx.Node] | None:
@@ -125,7 +120,7 @@ def _transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
         w = b
     else:
         return None
-    tw = _tensor(w)
+    tw = tensor_val(w)
     return w if tw is not None and tw.dim() == 2 else None
 
 
@@ -162,7 +157,7 @@ class HeadGateGemm:
     # -----------------------------------------------------------------------------------------------------------
 
     def _weight_reason(self, w: torch.fx.Node, dtype: torch.dtype) -> str | None:
-        tw = _tensor(w)
+        tw = tensor_val(w)
         if tw.dtype != dtype:
             return f"weight {describe(w)} is {tw.dtype} {list(tw.shape)}, not {dtype}"
         if w.op == "get_attr":
@@ -179,7 +174,7 @@ class HeadGateGemm:
         """``W`` as bf16: ``bf16(W)`` (mode "round"), or ``cat([bf16(W), bf16(W - bf16(W))], cat_dim)`` (mode
         "split"). Made once at compile time for a frozen constant (``get_attr``), else a small per-call cast."""
         gm = graph.owning_module
-        fake = _tensor(w)
+        fake = tensor_val(w)
         if w.op == "get_attr" and gm is not None:
             real = getattr(gm, str(w.target), None)
             if isinstance(real, torch.Tensor) and not isinstance(real, torch._subclasses.FakeTensor):
@@ -210,7 +205,7 @@ class HeadGateGemm:
     @staticmethod
     def _gemm(graph, a_bf16: torch.fx.Node, b_bf16: torch.fx.Node, a_f32: torch.fx.Node | None) -> torch.fx.Node:
         """bf16 x bf16 -> fp32. ``a_f32``: the already existing fp32 copy of ``a`` (CPU path reuses it)."""
-        if device_has_mm_dtype(_tensor(a_bf16).device):
+        if device_has_mm_dtype(tensor_val(a_bf16).device):
             return insert_call(graph, aten.mm.dtype, (a_bf16, b_bf16, torch.float32))
         if a_f32 is None:
             a_f32 = insert_call(graph, prims.convert_element_type.default, (a_bf16, torch.float32))
@@ -221,14 +216,14 @@ class HeadGateGemm:
         """``mm(convert(x_bf16, f32), W32^T)`` (or addmm). ``False``: not this idiom at all (no report)."""
         is_addmm = is_op(mm, aten.addmm.default)
         a, b = (mm.args[1], mm.args[2]) if is_addmm else (mm.args[0], mm.args[1])
-        ta, tm = _tensor(a), _tensor(mm)
+        ta, tm = tensor_val(a), tensor_val(mm)
         if ta is None or tm is None or ta.dtype != torch.float32:
             return False
         root, views = _view_chain(a)
         if not is_op(root, prims.convert_element_type.default):
             return False  # an fp32 GEMM of fp32 activations: nothing to do
         x = root.args[0]
-        tx = _tensor(x)
+        tx = tensor_val(x)
         w = _transposed_weight(b)
         if w is None:
             return f"GEMM of an upcast activation whose second operand {describe(b)} is computed, not a 2-D weight"
@@ -237,13 +232,13 @@ class HeadGateGemm:
         reason = self._weight_reason(w, torch.float32)
         if reason:
             return reason
-        tw = _tensor(w)
-        tb = _tensor(b)
+        tw = tensor_val(w)
+        tb = tensor_val(b)
         if tb is None or tb.dim() != 2 or not sym_equal(ta.shape[1], tb.shape[0]):
             return f"K dimension mismatch: activation {list(ta.shape)} vs weight operand {list(tw.shape)}"
         if is_addmm and (mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1):
             return f"addmm with beta={mm.kwargs.get('beta', 1)} alpha={mm.kwargs.get('alpha', 1)}"
-        if is_addmm and (_tensor(mm.args[0]) is None or _tensor(mm.args[0]).dtype != torch.float32):
+        if is_addmm and (tensor_val(mm.args[0]) is None or tensor_val(mm.args[0]).dtype != torch.float32):
             return f"addmm bias {describe(mm.args[0])} is not fp32"
         rounded = _rounded_downstream(mm)
         if rounded is not None:
@@ -272,14 +267,14 @@ class HeadGateGemm:
     def _gemm_then_upcast(self, graph: torch.fx.Graph, cvt: torch.fx.Node) -> str | None | bool:
         """``convert(mm(x_bf16, W16^T), f32)``, possibly with reshapes between the mm and the convert."""
         src = cvt.args[0]
-        ts = _tensor(src)
+        ts = tensor_val(src)
         if ts is None or ts.dtype != torch.bfloat16:
             return False
         mm, views = _view_chain(src)
         if not is_op(mm, aten.mm.default):
             return False
         a, b = mm.args
-        ta = _tensor(a)
+        ta = tensor_val(a)
         w = _transposed_weight(b)
         if w is None or ta is None or ta.dtype != torch.bfloat16:
             return False  # a bf16 product of activations, not a linear layer

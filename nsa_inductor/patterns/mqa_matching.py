@@ -538,8 +538,6 @@ class Match:
     rows: int
     keys: int
     cache: torch.fx.Node | None = None
-    k_plain: torch.fx.Node | None = None  # prefill without the cache: fp8 [N*128]
-    scale_plain: torch.fx.Node | None = None
     block_table: torch.fx.Node | None = None
     lens: torch.fx.Node | None = None  # context_lens (decode) / cu_seqlens (prefill)
 
@@ -777,18 +775,9 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
                            "slot block_table[b, s // P] * P + s % P")
         match.cache = k_leaf
         match.block_table = probes.block_table
-    elif k_leaf not in leaves and s_leaf not in leaves and k_tr == [("convert", fp8, torch.float32)] \
-            and val(k_leaf).dtype == fp8 and not s_tr and val(s_leaf).dtype == torch.float32:
-        if math.prod(shape_of(k_leaf)) == keys * HEAD_DIM and math.prod(shape_of(s_leaf)) == keys and \
-                torch.equal(linear(k_c, shape_of(k_leaf)), col_k * HEAD_DIM + d_flat) and \
-                torch.equal(linear(s_c, shape_of(s_leaf)), s_col):
-            family = "prefill"
-            match.k_plain, match.scale_plain = k_leaf, s_leaf
-        else:
-            reasons.append("K / k_scale are not plain [N, 128] / [N] tensors indexed by the key column")
     else:
-        reasons.append(f"K ({k_leaf.name}: {k_tr}) / k_scale ({s_leaf.name}: {s_tr}) are neither fp8/fp32 reads of "
-                       "the K cache nor plain fp8 / fp32 tensors")
+        reasons.append(f"K ({k_leaf.name}: {k_tr}) / k_scale ({s_leaf.name}: {s_tr}) are not fp8/fp32 reads of "
+                       "the K cache")
 
     # --- the mask ---
     if family in (None, "decode") and probes.ctx_lens is not None and batch and rows % batch == 0:

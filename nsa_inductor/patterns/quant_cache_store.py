@@ -263,8 +263,10 @@ def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> st
     if not is_op(amax, aten.amax.default) or not is_op(amax.args[0], aten.abs.default):
         raise NoMatch("the scale is not built from amax(|x|)")
     dims = [int(d) % val(blocks).dim() for d in amax.args[1]]
-    if amax.args[0].args[0] is not blocks or dims != [val(blocks).dim() - 1]:
-        raise NoMatch("amax is not taken over the last dimension of the quantized blocks")
+    keepdim = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
+    if amax.args[0].args[0] is not blocks or dims != [val(blocks).dim() - 1] or not keepdim:
+        raise NoMatch("amax is not taken over the last dimension of the quantized blocks (with keepdim), so the "
+                      "scale is not one per block")
     return fmt
 
 
@@ -339,6 +341,8 @@ class QuantCacheStore:
 
     def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout) -> None:
         cval = val(cache)
+        if not all(isinstance(size, int) for size in cval.shape):
+            raise NoMatch(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
         if int(cval.shape[1]) != layout.page_bytes:
             raise NoMatch(f"cache rows are {cval.shape[1]} bytes, the compile-time layout {layout} has "
                           f"{layout.page_bytes}-byte pages")

@@ -3,9 +3,9 @@
 Fires on ``where(mask, Σ_h w[t,h] * relu(q8[t,h]·K8[n]) * k_scale[n], -inf)`` when ``mqa_matching.analyze`` proves,
 by probing the graph, that key ``n`` is token ``n - cu[seq]`` of sequence ``seq = searchsorted(cu[1:], n, right)``
 read from the K cache at the compile-time layout's offsets of ``block_table[seq, pos // P] * P + pos % P`` (then
-``nsa.gather_k`` copies K out of the cache) -- or that K / k_scale are plain ``[N,128]`` / ``[N]`` tensors -- and
-that the mask is ``cu[seq[t]] <= n <= t``. The masked logits become ``nsa.mqa_logits(q8, k8, k_scale, w, ks, ke)``
-with ``ks = cu[searchsorted(cu[1:], t, right)]`` and ``ke = t + 1`` computed in the graph.
+``nsa.gather_k`` copies K out of the cache), and that the mask is ``cu[seq[t]] <= n <= t``. The masked logits become ``nsa.mqa_logits(q8, k8, k_scale, w, ks, ke)``
+with ``ks = cu[searchsorted(cu[1:], t, right)]`` and ``ke = t + 1`` computed in the graph. K already held in plain
+``[N,128]`` / ``[N]`` tensors (not read from the cache) is not matched yet.
 """
 
 from __future__ import annotations
@@ -32,21 +32,17 @@ def rewrite(graph: torch.fx.Graph, m, layout) -> None:
         tokens = size_arg(graph, where_shape[0], [m.q, m.weights, *inputs])
         q = reshape(graph, m.q, [-1, heads, HEAD_DIM])
         weights = reshape(graph, m.weights, [-1, heads])
-        if m.cache is not None:
-            num_keys = size_arg(graph, where_shape[1], [m.q, m.weights, *inputs])
-            cache = m.cache
-            if val(cache).dim() != 2 or val(cache).shape[-1] != layout.page_bytes:
-                cache = reshape(graph, cache, [-1, layout.page_bytes])
-            gathered = insert_call(
-                graph, torch.ops.nsa.gather_k.default,
-                (cache, as_dtype(graph, m.block_table, torch.int32), as_dtype(graph, cu, torch.int32),
-                 layout.page_size, layout.preshuffle, num_keys, val(m.q).dtype),
-            )
-            k8 = insert_call(graph, operator.getitem, (gathered, 0))
-            k_scale = insert_call(graph, operator.getitem, (gathered, 1))
-        else:
-            k8 = reshape(graph, m.k_plain, [-1, HEAD_DIM])
-            k_scale = reshape(graph, m.scale_plain, [-1])
+        num_keys = size_arg(graph, where_shape[1], [m.q, m.weights, *inputs])
+        cache = m.cache
+        if val(cache).dim() != 2 or val(cache).shape[-1] != layout.page_bytes:
+            cache = reshape(graph, cache, [-1, layout.page_bytes])
+        gathered = insert_call(
+            graph, torch.ops.nsa.gather_k.default,
+            (cache, as_dtype(graph, m.block_table, torch.int32), as_dtype(graph, cu, torch.int32),
+             layout.page_size, layout.preshuffle, num_keys, val(m.q).dtype),
+        )
+        k8 = insert_call(graph, operator.getitem, (gathered, 0))
+        k_scale = insert_call(graph, operator.getitem, (gathered, 1))
         cu64 = as_dtype(graph, cu, torch.int64)
         token = insert_like(graph, torch.ops.prims.iota.default, (tokens,),
                             dict(start=0, step=1, dtype=torch.int64, device=val(cu).device, requires_grad=False), cu)

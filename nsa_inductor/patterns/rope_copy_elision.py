@@ -32,7 +32,8 @@ import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, is_op, norm_dim, same_shape, slice_params, sym_equal, val
+from .graph_utils import (VIEW_OPS, as_int, describe, erase_dead, is_op, norm_dim, same_shape, slice_params,
+                          sym_equal, tensor_val, val)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -47,24 +48,19 @@ _IDENTITY = (aten.clone.default, aten.alias.default)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _tensor(node: Any) -> torch.Tensor | None:
-    v = val(node)
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def value_step(node: torch.fx.Node) -> torch.fx.Node | None:
     """The input ``node`` holds the same elements as (in row-major order), or ``None`` if ``node`` computes."""
     if is_op(node, *VIEW_OPS) or is_op(node, *_IDENTITY):
         return node.args[0]
     if is_op(node, prims.convert_element_type.default):
         src = node.args[0]
-        ts, tn = _tensor(src), _tensor(node)
+        ts, tn = tensor_val(src), tensor_val(node)
         if ts is not None and tn is not None and ts.dtype == tn.dtype:
             return src
         return None
     if is_op(node, aten.copy.default):
         dst, src = node.args[0], node.args[1]
-        td, ts = _tensor(dst), _tensor(src)
+        td, ts = tensor_val(dst), tensor_val(src)
         if td is not None and ts is not None and td.dtype == ts.dtype and same_shape(dst, src):
             return src
         return None
@@ -83,7 +79,7 @@ def value_root(node: torch.fx.Node) -> torch.fx.Node:
 
 def same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     """``a`` and ``b`` hold equal elements: one root through value-preserving steps, one shape, one dtype."""
-    ta, tb = _tensor(a), _tensor(b)
+    ta, tb = tensor_val(a), tensor_val(b)
     if ta is None or tb is None or ta.dtype != tb.dtype or not same_shape(a, b):
         return False
     return value_root(a) is value_root(b)
@@ -171,7 +167,7 @@ def _is_rope_like(node: torch.fx.Node, depth: int = 6) -> bool:
 def _why_not_identity(node: torch.fx.Node) -> str:
     """Why the value walk stopped at ``node`` (a computed value, a dtype change, a broadcasting copy)."""
     if is_op(node, aten.copy.default):
-        td, ts = _tensor(node.args[0]), _tensor(node.args[1])
+        td, ts = tensor_val(node.args[0]), tensor_val(node.args[1])
         return (f"source is a copy that changes dtype or broadcasts ({describe(node)}: dst "
                 f"{td.dtype if td is not None else None} {list(td.shape) if td is not None else None}, src "
                 f"{ts.dtype if ts is not None else None} {list(ts.shape) if ts is not None else None})")
@@ -182,9 +178,9 @@ def _why_not_identity(node: torch.fx.Node) -> str:
         while is_op(inner, *VIEW_OPS, prims.convert_element_type.default):
             inner = inner.args[0]
         if is_op(inner, aten.slice.Tensor, aten.select.int):
-            return (f"source is a dtype change of a slice ({describe(node)}: {_tensor(src).dtype} -> "
-                    f"{_tensor(node).dtype}), not the destination's own elements")
-        return (f"source is {what} ({describe(node)}, {_tensor(src).dtype} -> {_tensor(node).dtype}), "
+            return (f"source is a dtype change of a slice ({describe(node)}: {tensor_val(src).dtype} -> "
+                    f"{tensor_val(node).dtype}), not the destination's own elements")
+        return (f"source is {what} ({describe(node)}, {tensor_val(src).dtype} -> {tensor_val(node).dtype}), "
                 "not the destination")
     return f"source is {what} ({describe(node)}), not the destination"
 
@@ -201,7 +197,7 @@ def _looks_like_writeback(scatter: torch.fx.Node) -> bool:
     sl_target = _SLICE_FOR[scatter.target]
     if _source_chain(scatter.args[1])[0].target is sl_target:
         return True  # the source is a slice (of another tensor, or another range)
-    first_ndim = _tensor(base).dim() if _tensor(base) is not None else 0
+    first_ndim = tensor_val(base).dim() if tensor_val(base) is not None else 0
     params = slice_params(scatter, 2) if sl_target is aten.slice.Tensor else (scatter.args[2], scatter.args[3])
     stack, seen = [root], set()
     while stack:
@@ -210,8 +206,8 @@ def _looks_like_writeback(scatter: torch.fx.Node) -> bool:
             continue
         seen.add(node)
         for user in node.users:
-            if user.target is sl_target and user.args[0] is node and _tensor(node) is not None \
-                    and _tensor(node).dim() == first_ndim and _is_read(user):
+            if user.target is sl_target and user.args[0] is node and tensor_val(node) is not None \
+                    and tensor_val(node).dim() == first_ndim and _is_read(user):
                 other = slice_params(user, 1) if sl_target is aten.slice.Tensor else (user.args[1], user.args[2])
                 if norm_dim(other[0], first_ndim) == norm_dim(params[0], first_ndim):
                     return True
@@ -223,20 +219,20 @@ def _looks_like_writeback(scatter: torch.fx.Node) -> bool:
 def check_writeback(scatter: torch.fx.Node) -> str | None:
     """``None`` when ``scatter`` provably rewrites its base with its base's own elements, else the failed check."""
     base, src = scatter.args[0], scatter.args[1]
-    tb, ts = _tensor(base), _tensor(src)
+    tb, ts = tensor_val(base), tensor_val(src)
     if tb is None or ts is None:
         return "no fake tensor metadata on the scatter's inputs"
     sl, _ = _source_chain(src)
     sl_target = _SLICE_FOR[scatter.target]
     if sl.target is not sl_target:
         return _why_not_identity(sl)
-    tsl = _tensor(sl)
+    tsl = tensor_val(sl)
     if tsl is None or tsl.dtype != ts.dtype or not same_shape(sl, src):
         return (f"source {describe(sl)} is reshaped to another shape before the write "
                 f"({list(tsl.shape) if tsl is not None else None} vs {list(ts.shape)})")
     sliced = sl.args[0]
     if not same_value(sliced, base):
-        tsd = _tensor(sliced)
+        tsd = tensor_val(sliced)
         return (f"source slices {describe(sliced)} (root {describe(value_root(sliced))}, "
                 f"{tsd.dtype if tsd is not None else None} {list(tsd.shape) if tsd is not None else None}), "
                 f"a different tensor than the destination {describe(base)} (root {describe(value_root(base))}, "
