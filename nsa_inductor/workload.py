@@ -44,6 +44,13 @@ def _block_table(layout: KCacheLayout, seq_lens: list[int], max_pages: int, gen:
     return table
 
 
+def _cache(layout: KCacheLayout, table: torch.Tensor, cache_pages: int | None) -> torch.Tensor:
+    needed = max(int(table.max()) + 1, 1)
+    if cache_pages is not None and cache_pages < needed:
+        raise ValueError(f"cache_pages={cache_pages} is too small: the batch uses {needed} pages")
+    return layout.allocate((cache_pages or needed) * layout.page_size)
+
+
 def _activations(config: IndexerConfig, num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(num_tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
     q_lora = torch.randn(num_tokens, config.q_lora_rank, generator=gen).to(torch.bfloat16)
@@ -58,17 +65,19 @@ def decode_batch(
     max_len: int | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    cache_pages: int | None = None,
 ) -> Batch:
     """``next_n`` new tokens for each sequence; its earlier ``ctx - next_n`` tokens already sit in the cache.
 
-    A sequence with ``ctx < next_n`` is a padding row: its tokens have slot -1 and see nothing.
+    A sequence with ``ctx < next_n`` is a padding row: its tokens have slot -1 and see nothing. ``cache_pages`` fixes
+    the cache size (as a serving engine's is), so batches of different shapes share one cache shape.
     """
     gen = torch.Generator().manual_seed(seed)
     page = layout.page_size
     max_len = max_len or max(max(context_lens), 1)
     max_pages = layout.num_pages(max_len)
     table = _block_table(layout, context_lens, max_pages, gen)
-    cache = layout.allocate(max(int(table.max()) + 1, 1) * page)
+    cache = _cache(layout, table, cache_pages)
     positions, slots = [], []
     for b, ctx in enumerate(context_lens):
         prior = torch.arange(max(ctx - next_n, 0))
@@ -93,6 +102,7 @@ def prefill_batch(
     padding_tokens: int = 0,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    cache_pages: int | None = None,
 ) -> Batch:
     """Whole sequences packed back to back, then ``padding_tokens`` with slot -1 (as CUDA-graph padding does).
 
@@ -102,7 +112,7 @@ def prefill_batch(
     page = layout.page_size
     all_lens = seq_lens + ([padding_tokens] if padding_tokens else [])
     table = _block_table(layout, all_lens, layout.num_pages(max(max(all_lens), 1)), gen)
-    cache = layout.allocate(max(int(table.max()) + 1, 1) * page)
+    cache = _cache(layout, table, cache_pages)
     positions = [p for n in all_lens for p in range(n)]
     slots = [int(table[b, p // page]) * page + p % page for b, n in enumerate(seq_lens) for p in range(n)]
     slots += [-1] * padding_tokens

@@ -11,7 +11,7 @@ Rewrite: one ``aten.mm.dtype(x_bf16, B_bf16, float32)`` (bf16 inputs, fp32 accum
 kernel of x). For an fp32 weight the default mode "split" uses ``B = cat([hi, lo])^T`` with ``hi`` = W with its low
 16 bits cleared and ``lo = bf16(W - hi)``, and adds the two output halves in fp32 (fused into the scale chain): about
 16 significant bits of W, ~5e-6 relative logits error. Mode "round" (``HeadGateGemm("round")``) uses ``bf16(W)``:
-half the weight bytes but ~1e-3 relative logits error, over DESIGN's contract (see docs/passes_rope_buffer_gate.md).
+half the weight bytes but 1.0e-3 to 1.7e-3 relative logits error, over DESIGN's contract (see README).
 ``aten.mm.dtype`` exists for CUDA/ROCm (and XPU) only; on other devices (CPU) the same numbers are computed as an
 fp32 ``mm`` of the bf16 operands (a product of two bf16 values is exact in fp32; only summation order differs).
 
@@ -127,7 +127,7 @@ def _transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
 class HeadGateGemm:
     """``mode="split"`` (default): W32 = W_hi + W_lo with both halves bf16 (one GEMM over the concatenated halves,
     ~16 mantissa bits of W kept; stays inside DESIGN's 1e-3 logits contract). ``mode="round"``: W rounded to bf16
-    (half the weight bytes; ~1.6e-3 relative logits error on the small configs, over the contract)."""
+    (half the weight bytes; 1.0e-3 to 1.7e-3 relative logits error measured, over the contract)."""
 
     name = "head_gate_gemm"
 
@@ -171,8 +171,9 @@ class HeadGateGemm:
         return None
 
     def _bf16_weight(self, graph: torch.fx.Graph, w: torch.fx.Node, cat_dim: int) -> torch.fx.Node:
-        """``W`` as bf16: ``bf16(W)`` (mode "round"), or ``cat([bf16(W), bf16(W - bf16(W))], cat_dim)`` (mode
-        "split"). Made once at compile time for a frozen constant (``get_attr``), else a small per-call cast."""
+        """``W`` as bf16: ``bf16(W)`` (mode "round"), or ``cat([hi, lo], cat_dim)`` with ``W ~= hi + lo`` (mode
+        "split"). A frozen constant (``get_attr``) is split once at compile time with ``hi = bf16(W)`` (rounded);
+        a graph input is split per call with ``hi`` = W truncated to bf16 (see below). Both keep ~16 bits of W."""
         gm = graph.owning_module
         fake = tensor_val(w)
         if w.op == "get_attr" and gm is not None:
