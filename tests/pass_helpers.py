@@ -43,3 +43,25 @@ def count_ops(source: str, op: str) -> int:
     """Calls of ``op`` (e.g. ``"aten.slice_scatter"`` or ``"nsa.quant_cache_store"``) in a dumped graph, including
     a mutating op called through ``auto_functionalized``."""
     return len(re.findall(rf"torch\.ops\.{re.escape(op)}\.\w+[(,]", source))
+
+
+def functional_graph(fn, *args):
+    """``fn`` traced like the post-grad graph: functional aten with fake ``meta["val"]`` on every node."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
+                   tracing_mode="fake")(*args)
+
+
+def run_pass(graph_pass, count, fn, *args):
+    """Apply ``graph_pass`` to ``fn``'s functional graph: ``(result, output before, output after, removed)`` where
+    ``removed`` is how many nodes ``count(gm)`` the pass took away."""
+    gm = functional_graph(fn, *args)
+    before = gm(*args)
+    counted = count(gm)
+    result = graph_pass(gm.graph, None)
+    gm.graph.lint()
+    gm.recompile()
+    after = gm(*args)
+    return result, before, after, counted - count(gm)

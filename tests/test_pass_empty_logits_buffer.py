@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import nsa_inductor.lowering  # noqa: F401  registers torch.ops.nsa
 from nsa_inductor.indexer import Indexer, IndexerConfig
@@ -15,6 +14,7 @@ from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns import empty_logits_buffer
 from nsa_inductor.workload import decode_batch
 from other_indexer import OtherIndexer
+import pass_helpers
 from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 from reference64 import assert_logits_close
 
@@ -26,22 +26,8 @@ ONLY_THIS = {"nsa.layout": "paged", "nsa.page_size": 16,
              "nsa.disable_passes": ["quant_cache_store", "paged_mqa_logits", "ragged_mqa_logits"]}
 
 
-def functional_graph(fn, *args):
-    from torch._inductor.decomposition import select_decomp_table
-
-    return make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                   tracing_mode="fake")(*args)
-
-
 def run_pass(fn, *args):
-    gm = functional_graph(fn, *args)
-    before = gm(*args)
-    fills = count_fills(gm)
-    result = PASS(gm.graph, None)
-    gm.graph.lint()
-    gm.recompile()
-    after = gm(*args)
-    return result, before, after, fills - count_fills(gm)
+    return pass_helpers.run_pass(PASS, count_fills, fn, *args)
 
 
 def count_fills(gm) -> int:

@@ -7,13 +7,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from nsa_inductor.indexer import Indexer, IndexerConfig, apply_rope
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns import rope_copy_elision
 from nsa_inductor.workload import decode_batch, prefill_batch
 from other_indexer import OtherIndexer
+import pass_helpers
 from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 from reference64 import assert_logits_close
 
@@ -23,23 +23,8 @@ ONLY_THIS = {"nsa.disable_passes": ["quant_cache_store", "paged_mqa_logits", "ra
              "nsa.head_gate_bf16": False}
 
 
-def functional_graph(fn, *args):
-    """``fn`` traced like the post-grad graph: functional aten with fake ``meta["val"]`` on every node."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    return make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                   tracing_mode="fake")(*args)
-
-
 def run_pass(fn, *args):
-    gm = functional_graph(fn, *args)
-    before = gm(*args)
-    n_scatter = count_scatters(gm)
-    result = PASS(gm.graph, None)
-    gm.graph.lint()
-    gm.recompile()
-    after = gm(*args)
-    return result, before, after, n_scatter - count_scatters(gm)
+    return pass_helpers.run_pass(PASS, count_scatters, fn, *args)
 
 
 def count_scatters(gm) -> int:
