@@ -1,7 +1,7 @@
 """One indexer step, eager vs default Inductor vs nsa_rocm, in the same run: median time, kernel launches, agreement.
 
     python benchmarks/end_to_end.py [--config deepseek_v32|glm5] [--batch 64] [--ctx 8192] [--prefill 4096]
-                                    [--layout paged] [--out DIR]
+                                    [--layout paged] [--cuda-graphs] [--out DIR]
 
 Decode: ``batch`` sequences, ``ctx`` tokens of context each (slightly varied), next_n=1, DeepSeek-V3.2 sizes.
 Prefill: one causal sequence of ``prefill`` tokens. Times are ``triton.testing.do_bench`` medians (L2 flushed before
@@ -48,7 +48,7 @@ def agreement(eager_out, eager_cache, out, cache) -> dict:
     }
 
 
-def bench_step(name, fn, make_batch, options) -> list[dict]:
+def bench_step(name, fn, make_batch, options, mode) -> list[dict]:
     import triton.testing
 
     batch = make_batch()
@@ -57,8 +57,8 @@ def bench_step(name, fn, make_batch, options) -> list[dict]:
         eager_out = fn(*eager_batch.args)
     variants = {
         "eager": fn,
-        "inductor": torch.compile(fn, backend="inductor"),
-        "nsa_rocm": torch.compile(fn, backend="nsa_rocm", options=options),
+        "inductor": torch.compile(fn, backend="inductor", mode=mode),
+        "nsa_rocm": torch.compile(fn, backend="nsa_rocm", mode=mode, options=options),
     }
     rows = []
     for variant, step in variants.items():
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--prefill", type=int, default=4096, help="prefill tokens (0 to skip)")
     parser.add_argument("--layout", choices=("flat", "paged", "preshuffle"), default=None)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help='compile both variants with mode="reduce-overhead" (replays take the launch cost away)')
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -94,11 +96,12 @@ def main() -> None:
     model.reset_parameters(torch.Generator().manual_seed(0))
     options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
+    mode = "reduce-overhead" if args.cuda_graphs else None
     rows = bench_step("decode", model.decode,
-                      lambda: decode_batch(config, layout, context_lens, max_len=args.ctx, device="cuda"), options)
+                      lambda: decode_batch(config, layout, context_lens, max_len=args.ctx, device="cuda"), options, mode)
     if args.prefill:
         rows += bench_step("prefill", model.prefill,
-                           lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options)
+                           lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode)
 
     lines = ["| step | variant | µs | vs eager | vs inductor | kernels | cache bytes = eager | logits rel. err | "
              "top-k sets identical |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
