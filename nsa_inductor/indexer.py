@@ -159,6 +159,12 @@ class Indexer(nn.Module):
         weights = F.linear(x.float(), self.weights_proj.weight) * c.n_heads**-0.5
         return weights * q_scale * c.head_dim**-0.5
 
+    def index_new_tokens(self, x, q_lora, positions, slot_mapping, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """What decode and prefill share: store the new tokens' K, then ``(q_fp8 [T,H,128], head gates [T,H])``."""
+        self.store_k(x, positions, slot_mapping, kv_cache)
+        q_fp8, q_scale = self.project_q(q_lora, positions)
+        return q_fp8, self.head_gates(x, q_scale)
+
     def _topk(self, logits: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
         values, indices = torch.topk(logits, min(self.config.topk, logits.shape[-1]), dim=-1)
         if offset is not None:
@@ -184,9 +190,7 @@ class Indexer(nn.Module):
         batch, max_pages = block_table.shape
         next_n = x.shape[0] // batch
         max_len = max_pages * self.layout.page_size
-        self.store_k(x, positions, slot_mapping, kv_cache)
-        q_fp8, q_scale = self.project_q(q_lora, positions)
-        weights = self.head_gates(x, q_scale)
+        q_fp8, weights = self.index_new_tokens(x, q_lora, positions, slot_mapping, kv_cache)
 
         key_pos = torch.arange(max_len, device=x.device)
         slots = paged_slots(block_table, key_pos.expand(batch, max_len), self.layout.page_size)
@@ -216,9 +220,7 @@ class Indexer(nn.Module):
         are positions within each token's own sequence."""
         c = self.config
         num_tokens = x.shape[0]
-        self.store_k(x, positions, slot_mapping, kv_cache)
-        q_fp8, q_scale = self.project_q(q_lora, positions)
-        weights = self.head_gates(x, q_scale)
+        q_fp8, weights = self.index_new_tokens(x, q_lora, positions, slot_mapping, kv_cache)
 
         token = torch.arange(num_tokens, device=x.device)
         seq = torch.searchsorted(cu_seqlens[1:], token, right=True)

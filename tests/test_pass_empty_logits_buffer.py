@@ -15,7 +15,7 @@ from nsa_inductor.patterns import empty_logits_buffer
 from nsa_inductor.workload import decode_batch
 from other_indexer import OtherIndexer
 import pass_helpers
-from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 from reference64 import assert_logits_close
 
 PASS = empty_logits_buffer.PASS
@@ -196,14 +196,7 @@ def test_indexer_decode(which):
     for passes in ("only_this", "all"):
         eager_fn, compiled_fn, dump_dir = compiled_indexer(which, passes)
         batch = decode_batch(CONFIG, LAYOUT, [5, 33, 0, 17], next_n=1, max_len=48, seed=1)
-        eager, comp = batch.clone(), batch.clone()
-        with torch.no_grad():
-            logits, topk = eager_fn(*eager.args)
-            c_logits, c_topk = compiled_fn(*comp.args)
-        assert torch.equal(eager.kv_cache, comp.kv_cache)
-        assert_logits_close(c_logits, logits)
-        for a, b in zip(topk, c_topk):
-            assert set(a.tolist()) == set(b.tolist())
+        assert_matches_eager(eager_fn, compiled_fn, batch)
         (graph_dir,) = graph_dirs(dump_dir)
         report = pass_entry(graph_dir, "empty_logits_buffer")
         if passes == "only_this":

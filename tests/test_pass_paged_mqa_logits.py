@@ -13,23 +13,12 @@ from hypothesis import given, settings, strategies as st
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import decode_batch
 from other_indexer import OtherIndexer
-from pass_helpers import count_ops, graph_dirs, pass_entry, pass_graphs
+from pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
 from reference64 import assert_logits_close
 from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
 
 NAME = "paged_mqa_logits"
 OP = "nsa.paged_mqa_logits"
-
-
-def run_and_compare(eager_fn, compiled_fn, batch):
-    eager, comp = batch.clone(), batch.clone()
-    with torch.no_grad():
-        logits, topk = eager_fn(*eager.args)
-        c_logits, c_topk = compiled_fn(*comp.args)
-    assert torch.equal(eager.kv_cache, comp.kv_cache), "K-cache bytes differ"
-    assert_logits_close(c_logits, logits)
-    for row, (a, b) in enumerate(zip(topk, c_topk)):
-        assert set(a.tolist()) == set(b.tolist()), f"top-k sets differ in row {row}"
 
 
 def assert_fired(dump_dir: pathlib.Path, name=NAME, op=OP):
@@ -66,7 +55,7 @@ def test_fires_on_reference_decode(config_name, layout_name):
     config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
     # next_n=1 then next_n=2 with another batch size: the second compile has a symbolic token count
     for batch in batches(config, layout, "decode"):
-        run_and_compare(eager_fn, compiled_fn, batch)
+        assert_matches_eager(eager_fn, compiled_fn, batch)
     assert len(graph_dirs(dump_dir)) >= 2
     assert_fired(dump_dir)
 
@@ -119,7 +108,7 @@ def test_property_context_lengths(layout_name, lens, seed):
     next_n = 2  # rows j=0,1 see different lengths; ctx < next_n are padding rows
     eager_fn, compiled_fn, dump_dir = property_model(layout_name, next_n)
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS[layout_name]
-    run_and_compare(eager_fn, compiled_fn, fixed_shape_batch(config, layout, lens, next_n, seed))
+    assert_matches_eager(eager_fn, compiled_fn, fixed_shape_batch(config, layout, lens, next_n, seed))
     assert_fired(dump_dir)
 
 
@@ -203,7 +192,7 @@ def test_does_not_fire_on_lookalikes(variant):
     options = {"nsa.layout": compiled_layout, "nsa.page_size": c_layout.page_size, "nsa.dump_dir": str(dump_dir)}
     compiled_fn = torch.compile(model.decode, backend="nsa_rocm", options=options)
     lens = [5, 33, 17] if next_n == 1 else [20, 40]
-    run_and_compare(model.decode, compiled_fn, decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=1))
+    assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=1))
     reasons = misses(dump_dir)
     assert reasons, "no near miss recorded"
     assert any(words in r for r in reasons), reasons

@@ -27,13 +27,12 @@ The pointwise scale chain after the GEMM is not touched; Inductor fuses it into 
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, sym_equal, tensor_val, val
+from .graph_utils import VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, sym_equal, tensor_val
 
 aten = torch.ops.aten
 prims = torch.ops.prims

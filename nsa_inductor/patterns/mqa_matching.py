@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
+from ..pass_manager import PassContext, PassResult
 from .graph_utils import VIEW_OPS, insert_call, is_op, val
 
 aten = torch.ops.aten
@@ -685,7 +686,6 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
         a_c = torch.stack([dc[:, 0], kk], 1)
         b_c = torch.stack([kk, dc[:, 1]], 1)
     operands = [prober.locate(dot.args[0], a_c), prober.locate(dot.args[1], b_c)]
-    fp8_up = lambda t: len(t) >= 1 and t[-1][0] == "convert" and t[-1][1] in FP8_DTYPES and t[-1][2] == torch.float32
 
     row_k = s_row.repeat_interleave(k_dim)
     q_info = None
@@ -729,9 +729,8 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
         raise Unproven(f"{len(scale)} k_scale factors, expected one")
     _, _, s_leaf, s_c, s_tr = scale[0]
 
-    # --- K and k_scale: decode paged read, prefill gather, or plain [N,128] / [N] tensors ---
+    # --- K and k_scale: decode paged read or prefill gather ---
     P = layout.page_size
-    col_k = s_col.repeat_interleave(k_dim)
     d_flat = d.flatten()
     match = Match("", where, q_leaf, w_leaf, heads, rows, keys)
     reasons = []
@@ -893,11 +892,9 @@ def insert_like(graph: torch.fx.Graph, target, args: tuple, kwargs: dict, like: 
     return node
 
 
-def run_family(graph: torch.fx.Graph, ctx, family: str, rewrite) -> "PassResult":
+def run_family(graph: torch.fx.Graph, ctx: PassContext, family: str, rewrite) -> PassResult:
     """Analyze every candidate once; rewrite those of ``family`` ("decode" or "prefill") with ``rewrite(graph, m,
     layout)``. A candidate whose family cannot be told is reported as a near miss by both passes."""
-    from ..pass_manager import PassResult
-
     result = PassResult()
     layout = ctx.decision.layout
     leaves = cache_values(graph)
