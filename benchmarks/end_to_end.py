@@ -16,6 +16,7 @@ import json
 import os
 
 import torch
+import torch._inductor
 from torch.profiler import ProfilerActivity, profile
 
 import nsa_inductor
@@ -24,13 +25,14 @@ from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.workload import decode_batch, prefill_batch
 
 
-def kernel_count(fn, args) -> int:
+def cuda_kernels(fn, args) -> list[str]:
+    """Names of the CUDA kernels (and memcpy/memset) one call launches, in order."""
     fn(*args)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(*args)
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def agreement(eager_out, eager_cache, out, cache) -> dict:
@@ -48,7 +50,7 @@ def agreement(eager_out, eager_cache, out, cache) -> dict:
     }
 
 
-def bench_step(name, fn, make_batch, options, mode) -> list[dict]:
+def bench_step(name, fn, make_batch, options, mode, only) -> list[dict]:
     import triton.testing
 
     batch = make_batch()
@@ -58,10 +60,13 @@ def bench_step(name, fn, make_batch, options, mode) -> list[dict]:
     variants = {
         "eager": fn,
         "inductor": torch.compile(fn, backend="inductor", mode=mode),
-        "nsa_rocm": torch.compile(fn, backend="nsa_rocm", mode=mode, options=options),
+        # torch.compile takes mode or options, not both: the mode's Inductor options travel with the nsa ones.
+        "nsa_rocm": torch.compile(fn, backend="nsa_rocm",
+                                  options={**options, **(torch._inductor.list_mode_options(mode) if mode else {})}),
     }
+    reports_before = len(nsa_inductor.last_reports())
     rows = []
-    for variant, step in variants.items():
+    for variant, step in ((v, s) for v, s in variants.items() if v in only):
         run_batch = batch.clone()
         if mode:
             # CUDA graphs skip graphs that mutate an input unless its address is fixed, as a serving cache's is.
@@ -70,13 +75,24 @@ def bench_step(name, fn, make_batch, options, mode) -> list[dict]:
             out = step(*run_batch.args)
             checks = agreement(eager_out, eager_batch.kv_cache, out, run_batch.kv_cache)
             ms = triton.testing.do_bench(lambda: step(*run_batch.args), warmup=50, rep=300, return_mode="median")
-            kernels = kernel_count(step, run_batch.args)
-        rows.append({"step": name, "variant": variant, "us": ms * 1e3, "kernels": kernels, **checks})
+            kernel_names = cuda_kernels(step, run_batch.args)
+            kernels = len(kernel_names)
+        rows.append({"step": name, "variant": variant, "us": ms * 1e3, "kernels": kernels,
+                     "kernel_names": kernel_names, **checks})
         print(f"{name:8s} {variant:9s} {ms * 1e3:10.1f} us  {kernels:4d} kernels  {checks}", flush=True)
+    if "nsa_rocm" not in only:
+        return rows
+    if len(nsa_inductor.last_reports()) == reports_before:
+        print(f"{name} passes: no report (the graph came from Inductor's FX graph cache)", flush=True)
+        return rows
     report = nsa_inductor.last_reports()[-1]
     rows[-1]["passes"] = {p["name"]: p["matched"] for p in report["passes"]}
     print(f"{name} passes: {rows[-1]['passes']}", flush=True)
     return rows
+
+
+def speedup(base: dict, variant: str, row: dict) -> str:
+    return f"{base[variant] / row['us']:.1f}x" if variant in base else "-"
 
 
 def main() -> None:
@@ -88,6 +104,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=("flat", "paged", "preshuffle"), default=None)
     parser.add_argument("--cuda-graphs", action="store_true",
                         help='compile both variants with mode="reduce-overhead" (replays take the launch cost away)')
+    parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
+                        help="comma-separated subset (default Inductor's prefill hits a torch 2.11 bug on GPUs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -100,19 +118,20 @@ def main() -> None:
     options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
     mode = "reduce-overhead" if args.cuda_graphs else None
+    only = set(args.variants.split(","))
     rows = bench_step("decode", model.decode,
-                      lambda: decode_batch(config, layout, context_lens, max_len=args.ctx, device="cuda"), options, mode)
+                      lambda: decode_batch(config, layout, context_lens, max_len=args.ctx, device="cuda"), options, mode, only)
     if args.prefill:
         rows += bench_step("prefill", model.prefill,
-                           lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode)
+                           lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only)
 
     lines = ["| step | variant | µs | vs eager | vs inductor | kernels | cache bytes = eager | logits rel. err | "
              "top-k sets identical |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for row in rows:
         base = {r["variant"]: r["us"] for r in rows if r["step"] == row["step"]}
         lines.append(
-            f"| {row['step']} | {row['variant']} | {row['us']:.1f} | {base['eager'] / row['us']:.1f}x | "
-            f"{base['inductor'] / row['us']:.1f}x | {row['kernels']} | {row['cache_bytes_equal']} | "
+            f"| {row['step']} | {row['variant']} | {row['us']:.1f} | {speedup(base, 'eager', row)} | "
+            f"{speedup(base, 'inductor', row)} | {row['kernels']} | {row['cache_bytes_equal']} | "
             f"{row['logits_rel_err']:.1e} | {row['topk_sets_identical']:.3f} |")
     table = "\n".join(lines)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}, layout {layout}\n\n{table}")

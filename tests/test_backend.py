@@ -139,3 +139,38 @@ def test_fx_graph_cache_hits_across_processes_and_misses_on_a_new_layout(tmp_pat
     assert hits_and_misses("paged") == (0, 1)
     assert hits_and_misses("paged") == (1, 0)
     assert hits_and_misses("preshuffle") == (0, 1)
+
+
+def _fold_any_float_chain(match, arg, dtype1, dtype2):
+    """torch 2.11's ``pointless_convert``: every float-to-float conversion chain becomes one conversion."""
+    node = match.output_node()
+    folded = match.graph.call_function(torch.ops.prims.convert_element_type.default, (arg, dtype2))
+    folded.meta.update(node.meta)
+    node.replace_all_uses_with(folded)
+    match.erase_nodes()
+
+
+def test_bf16_rounding_survives_a_lossy_pointless_convert(monkeypatch):
+    """With torch 2.11's rule in place, default Inductor drops ``.to(bf16).float()``; nsa_rocm keeps it, as eager."""
+    from torch._inductor.fx_passes import joint_graph
+
+    entries = [e for group in joint_graph.patterns.patterns.values() for e in group
+               if getattr(e, "handler", None) is joint_graph.pointless_convert]
+    assert entries, "Inductor's pointless_convert pattern moved: the backend's guard would find nothing to wrap"
+    monkeypatch.setattr(joint_graph, "pointless_convert", _fold_any_float_chain)
+    for entry in entries:
+        monkeypatch.setattr(entry, "handler", _fold_any_float_chain)
+
+    def fn(x):
+        return (x * 1.37).to(torch.bfloat16).float() * 3.0
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, emulate_precision_casts=True):
+        unrounded = torch.compile(fn, backend="inductor")(x)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        kept = torch.compile(fn, backend="nsa_rocm")(x)
+    assert not torch.equal(unrounded, fn(x))
+    assert torch.equal(kept, fn(x))
+    assert all(entry.handler is _fold_any_float_chain for entry in entries)
