@@ -98,12 +98,14 @@ def speedup(base: dict, variant: str, row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=("deepseek_v32", "glm5"), default="deepseek_v32")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="decode sequences (0 to skip decode)")
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--prefill", type=int, default=4096, help="prefill tokens (0 to skip)")
     parser.add_argument("--layout", choices=("flat", "paged", "preshuffle"), default=None)
     parser.add_argument("--cuda-graphs", action="store_true",
                         help='compile both variants with mode="reduce-overhead" (replays take the launch cost away)')
+    parser.add_argument("--no-head-gate", action="store_true",
+                        help="nsa_rocm without the bf16 head-gate rewrite (to measure what it costs)")
     parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
                         help="comma-separated subset (default Inductor's prefill hits a torch 2.11 bug on GPUs)")
     parser.add_argument("--out", default=None)
@@ -115,12 +117,15 @@ def main() -> None:
     print(describe(decision), flush=True)
     model = Indexer(config, layout).cuda()
     model.reset_parameters(torch.Generator().manual_seed(0))
-    options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size}
+    options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size,
+               "nsa.head_gate_bf16": not args.no_head_gate}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
     mode = "reduce-overhead" if args.cuda_graphs else None
     only = set(args.variants.split(","))
-    rows = bench_step("decode", model.decode,
-                      lambda: decode_batch(config, layout, context_lens, max_len=args.ctx, device="cuda"), options, mode, only)
+    rows = []
+    if args.batch:
+        rows += bench_step("decode", model.decode, lambda: decode_batch(config, layout, context_lens, max_len=args.ctx,
+                                                                        device="cuda"), options, mode, only)
     if args.prefill:
         rows += bench_step("prefill", model.prefill,
                            lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, paged_logits64, random_block_table, \
-    random_cache, random_fp8, ragged_logits64
+from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, eager_topk_rows, paged_logits64, \
+    random_block_table, random_cache, random_fp8, ragged_logits64, topk_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,6 +141,18 @@ def test_fnuz_ops_on_this_gpu():
                 torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32), 512, 64, True)
     gpu_args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in cpu_args)
     assert_logits_close(torch.ops.nsa.paged_mqa_logits(*gpu_args), paged_logits64(*cpu_args))
+
+
+@pytest.mark.parametrize("rows, cols, k, with_lengths", [(64, 65536, 2048, True), (64, 8192, 2048, False),
+                                                        (1300, 1300, 1300, True), (3, 100, 0, False)])
+def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
+    logits = topk_logits(rows, cols, 0.05, seed=rows).to(DEV)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, min(cols, 9000), (rows,), generator=gen).int().to(DEV) if with_lengths else None
+    offset = torch.randint(0, 7, (rows,), generator=gen).to(DEV)
+    out = torch.full((rows, k), 12345, dtype=torch.int32, device=DEV)  # poisoned: every slot must be written
+    got = _tk().topk_indices(logits, k, lengths, offset, out=out)
+    assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
 
 
 def test_ops_capture_in_cuda_graph():

@@ -339,10 +339,12 @@ def _small_inputs():
         "gather_k": (cache, block_table, cu, 16, True, 24, FN),
         "paged_mqa_logits": (q, cache, weights, ctx, block_table, 40, 16, True),
         "mqa_logits": (random_fp8((6, 16, 128), FN, gen), k8, ks8, torch.randn(6, 16, generator=gen), ks, ke),
+        "topk_indices": (torch.randn(4, 30, generator=gen), 7, torch.tensor([30, 3, 0, 12], dtype=torch.int32),
+                         torch.tensor([0, 1, 2, 3])),
     }
 
 
-@pytest.mark.parametrize("name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits"])
+@pytest.mark.parametrize("name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices"])
 def test_opcheck(name):
     utils = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     if name in ("paged_mqa_logits", "mqa_logits"):
@@ -364,6 +366,8 @@ def test_fake_shapes():
         assert (out.shape, out.dtype) == ((4, 40), torch.float32)
         out = torch.ops.nsa.mqa_logits(*fake["mqa_logits"])
         assert (out.shape, out.dtype) == ((6, 9), torch.float32)
+        out = torch.ops.nsa.topk_indices(*fake["topk_indices"])
+        assert (out.shape, out.dtype) == ((4, 7), torch.int32)
 
 
 def test_quant_cache_store_is_declared_mutating():
@@ -417,6 +421,10 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("mqa_logits", 1, torch.zeros(9, 128, dtype=FNUZ), r"k_fp8 must be float8_e4m3fn \[N, 128\]"),
         ("mqa_logits", 2, torch.zeros(9, 1), r"k_scale must be float32 \[N=9\], got float32 \[9, 1\]"),
         ("mqa_logits", 5, torch.zeros(6, dtype=torch.int64), r"ke must be int32 \[T=6\], got int64 \[6\]"),
+        ("topk_indices", 0, torch.zeros(4, 30).bfloat16(), r"logits must be float32 \[R, N\], got bfloat16"),
+        ("topk_indices", 1, 31, r"k must be in \[0, N=30\], got 31"),
+        ("topk_indices", 2, torch.zeros(3, dtype=torch.int32), r"lengths must be int32 or int64 \[R=4\]"),
+        ("topk_indices", 3, torch.zeros(4, 1, dtype=torch.int64), r"offset must be int32 or int64 \[R=4\]"),
     ],
 )
 def test_validation_errors_name_the_tensor(name, index, value, message):
@@ -430,3 +438,47 @@ def test_preshuffle_needs_page_multiple_of_16():
     args = _replace(args, 1, torch.zeros(8, 8 * 132, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 16"):
         torch.ops.nsa.quant_cache_store(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# top-k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def eager_topk_rows(logits, k, lengths=None, offset=None) -> list[list[int]]:
+    """What the indexer computes eagerly (columns past ``lengths`` are -inf there), each row as a sorted list."""
+    if lengths is not None:
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        logits = logits.masked_fill(cols[None, :] >= lengths[:, None], float("-inf"))
+    values, indices = torch.topk(logits, k, dim=-1)
+    if offset is not None:
+        indices = indices - offset[:, None]
+    return [sorted(r) for r in indices.masked_fill(values == float("-inf"), -1).tolist()]
+
+
+def topk_logits(rows, cols, neg_inf_fraction, seed) -> torch.Tensor:
+    """Distinct values (no ties at the k-th value), some -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randperm(rows * cols, generator=gen).float().view(rows, cols) / 7 - rows * cols / 14
+    return logits.masked_fill(torch.rand(rows, cols, generator=gen) < neg_inf_fraction, float("-inf"))
+
+
+def topk_case(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, cols + 3, (rows,), generator=gen).int() if with_lengths else None
+    offset = torch.randint(0, 5, (rows,), generator=gen) if with_offset else None
+    return topk_logits(rows, cols, inf, seed), round(k_frac * cols), lengths, offset
+
+
+TOPK_CASES = dict(rows=st.integers(1, 5), cols=st.integers(1, 80), k_frac=st.floats(0, 1),
+                  inf=st.sampled_from([0, 0.3, 1.0]), with_lengths=st.booleans(), with_offset=st.booleans(),
+                  seed=st.integers(0, 99))
+
+
+@HYP
+@given(**TOPK_CASES)
+def test_topk_indices_reference_is_eager_topk_as_sets(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
+    logits, k, lengths, offset = topk_case(rows, cols, k_frac, inf, with_lengths, with_offset, seed)
+    got = torch.ops.nsa.topk_indices(logits, k, lengths, offset)
+    assert got.dtype == torch.int32 and got.shape == (rows, k)
+    assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)

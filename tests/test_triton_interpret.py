@@ -15,8 +15,9 @@ import sys
 import pytest
 import torch
 
-from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, paged_logits64, random_block_table, \
-    random_cache, random_fp8, ragged_logits64
+from hypothesis import given
+from test_ops_reference import FN, FNUZ, HYP, TOPK_CASES, adversarial_k, assert_logits_close, eager_topk_rows, \
+    paged_logits64, random_block_table, random_cache, random_fp8, ragged_logits64, topk_case
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
@@ -139,3 +140,12 @@ def test_fnuz_logits_in_interpreter():
     args = (q, cache, weights, torch.tensor([29], dtype=torch.int32), block_table, 40, 16, True)
     got = tk.paged_mqa_logits(*args, config=tk.PagedConfig(chunk=32, block_n=16))
     assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
+
+
+@child_only
+@HYP
+@given(**TOPK_CASES)
+def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
+    logits, k, lengths, offset = topk_case(rows, cols * 20, k_frac, inf, with_lengths, with_offset, seed)
+    got = _kernels().topk_indices(logits, k, lengths, offset)
+    assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)

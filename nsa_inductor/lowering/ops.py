@@ -108,6 +108,18 @@ def _validate_mqa(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
     _check_devices(q_fp8=q_fp8, k_fp8=k_fp8, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
 
 
+def _validate_topk(logits, k, lengths, offset) -> None:
+    _check("logits", logits, (None, None), (torch.float32,), "[R, N]")
+    rows, cols = logits.shape
+    if not 0 <= k <= cols:
+        raise ValueError(f"k must be in [0, N={cols}], got {k}")
+    if lengths is not None:
+        _check("lengths", lengths, (rows,), _INT_TYPES, f"[R={rows}]")
+    if offset is not None:
+        _check("offset", offset, (rows,), _INT_TYPES, f"[R={rows}]")
+    _check_devices(logits=logits, **{n: t for n, t in (("lengths", lengths), ("offset", offset)) if t is not None})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,6 +148,10 @@ def _backend(op: str, device: torch.device, fp8_dtype: torch.dtype) -> str:
 
 def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
+
+
+def _contiguous_or_none(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.contiguous() for t in tensors]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,3 +285,23 @@ def mqa_logits(
 def _(q_fp8, k_fp8, k_scale, weights, ks, ke):
     _validate_mqa(q_fp8, k_fp8, k_scale, weights, ks, ke)
     return q_fp8.new_empty((q_fp8.shape[0], k_fp8.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::topk_indices", mutates_args=())
+def topk_indices(
+    logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None, offset: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[R, k]`` int32: a top-k set of each row's first ``lengths[r]`` columns (all when ``None``), as column
+    minus ``offset[r]``, -1 where the value is -inf. Set semantics: the order within a row is unspecified."""
+    _validate_topk(logits, k, lengths, offset)
+    if logits.device.type != "cpu" and capability().use_triton:
+        from . import triton_kernels
+
+        return triton_kernels.topk_indices(logits.contiguous(), k, *_contiguous_or_none(lengths, offset))
+    return reference.topk_indices(logits, k, lengths, offset)
+
+
+@topk_indices.register_fake
+def _(logits, k, lengths=None, offset=None):
+    _validate_topk(logits, k, lengths, offset)
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)

@@ -1,0 +1,161 @@
+"""Replaces the indexer's top-k selection with one ``nsa.topk_indices`` kernel.
+
+Eager spelling (decode; prefill subtracts each token's sequence start)::
+
+    values, indices = torch.topk(logits, k, dim=-1)
+    indices = indices - offset[:, None]                      # optional
+    indices.masked_fill(values == float("-inf"), -1).to(torch.int32)
+
+In the post-grad graph: ``topk -> getitem 0 / 1``, ``eq(values, -inf)``, optional ``sub(indices, unsqueeze(offset,
+1))``, ``where(eq, -1, indices)``, ``convert_element_type(int32)``. On CUDA, ATen's radix top-k is about 23 kernel
+launches per call; the replacement is one. When the logits come from an ``nsa`` logits op, the op's own mask proves
+every column past a row's last visible key is -inf, so the kernel scans only those columns (``lengths``).
+
+What the replacement changes: the order of the indices within a row (ascending column instead of descending value).
+The indexer's consumers (sparse attention gathers) use the indices as a set, which is what DESIGN §4 specifies; a
+program that needs eager's order turns the pass off with ``nsa.disable_passes=["topk_indices"]``. Ties at the k-th
+value may pick different (equally valid) columns.
+
+Near misses (reported): ``largest=False``, a dim other than the last, logits that are not 2-D fp32, the values used
+for anything but the ``== -inf`` test, a fill other than -1, an offset that is not one value per row.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..pass_manager import PassContext, PassResult
+from .graph_utils import VIEW_OPS, as_int, erase_dead, insert_call, is_op, norm_dim, tensor_val
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _topk_op() -> Any:
+    from ..lowering import ops  # noqa: F401  registers torch.ops.nsa
+
+    return torch.ops.nsa.topk_indices.default
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _outputs(topk: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node | None]:
+    values = indices = None
+    for user in topk.users:
+        if user.target is operator.getitem and user.args[1] == 0:
+            values = user
+        elif user.target is operator.getitem and user.args[1] == 1:
+            indices = user
+    return values, indices
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_minus_one(node: Any) -> bool:
+    if isinstance(node, (int, float)):
+        return node == -1
+    if is_op(node, aten.full.default) and list(node.args[0]) == []:
+        return node.args[1] == -1
+    return is_op(node, aten.scalar_tensor.default) and node.args[0] == -1
+
+
+def _row_offset(node: Any, rows: Any) -> torch.fx.Node | None:
+    """``o`` when ``node`` is ``o[:, None]`` (spelled unsqueeze / view / reshape) of a 1-D integer ``o`` of ``rows``."""
+    if not (is_op(node, aten.unsqueeze.default, *VIEW_OPS)):
+        return None
+    source, fake, out = node.args[0], tensor_val(node.args[0]), tensor_val(node)
+    if fake is None or out is None or fake.dim() != 1 or fake.dtype.is_floating_point or fake.dtype == torch.bool:
+        return None
+    if out.dim() != 2 or as_int(out.shape[1]) != 1 or fake.shape[0] != rows:
+        return None
+    return source
+
+
+def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | None:
+    """Per-row count of leading columns that can be finite, when an ``nsa`` logits op wrote ``logits``."""
+    if is_op(logits, torch.ops.nsa.mqa_logits.default):
+        return logits.args[5]  # ke: row t sees keys ks[t] <= n < ke[t]
+    if not is_op(logits, torch.ops.nsa.paged_mqa_logits.default):
+        return None
+    q_fp8, context_lens = logits.args[0], logits.args[3]
+    next_n = as_int(tensor_val(q_fp8).shape[1])
+    if next_n is None:
+        return None
+    if next_n == 1:
+        return context_lens
+    # row b*next_n + j sees keys s <= ctx[b] - next_n + j
+    steps = insert_call(graph, aten.arange.start, (1 - next_n, 1),
+                        {"dtype": torch.int32, "device": tensor_val(context_lens).device})
+    per_step = insert_call(graph, aten.add.Tensor, (insert_call(graph, aten.unsqueeze.default, (context_lens, 1)),
+                                                    steps))
+    return insert_call(graph, aten.reshape.default, (per_step, [-1]))
+
+
+def match_topk(topk: torch.fx.Node) -> tuple[dict[str, Any] | None, str]:
+    """The pieces of the idiom anchored at ``topk``, or ``None`` and the reason it is not the idiom."""
+    logits = topk.args[0]
+    fake = tensor_val(logits)
+    if fake is None or fake.dim() != 2 or fake.dtype != torch.float32:
+        return None, f"logits must be 2-D fp32, got {None if fake is None else (fake.dtype, list(fake.shape))}"
+    if norm_dim(_arg(topk, 2, "dim", -1), 2) != 1:
+        return None, "top-k over a dim other than the last"
+    if not _arg(topk, 3, "largest", True):
+        return None, "largest=False"
+    values, indices = _outputs(topk)
+    if values is None or indices is None or len(topk.users) != 2:
+        return None, "top-k values or indices unused, or used twice"
+    test = _only_user(values)
+    if not (is_op(test, aten.eq.Scalar) and test.args[0] is values and test.args[1] == float("-inf")):
+        return None, "the values are used for something other than the == -inf test"
+    fill = _only_user(test)
+    if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[1])):
+        return None, "the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))"
+    chosen, offset = fill.args[2], None
+    if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1:
+        offset = _row_offset(chosen.args[1], fake.shape[0])
+        if offset is None:
+            return None, f"indices minus {chosen.args[1]}: not one integer offset per row"
+    elif chosen is not indices:
+        return None, f"the -1 fill applies to {chosen}, not to the top-k indices (minus a row offset)"
+    if len(indices.users) != 1:
+        return None, "the top-k indices have other users"
+    result = _only_user(fill)
+    if is_op(result, prims.convert_element_type.default) and result.args[1] == torch.int32:
+        return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": result, "int64": False}, ""
+    return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": fill, "int64": True}, ""
+
+
+class TopkIndices:
+    name = "topk_indices"
+
+    def __call__(self, graph: torch.fx.Graph, ctx: PassContext | None = None) -> PassResult:
+        result = PassResult()
+        op = _topk_op()
+        for topk in list(graph.nodes):
+            if not is_op(topk, aten.topk.default):
+                continue
+            found, reason = match_topk(topk)
+            if found is None:
+                result.miss(topk, reason)
+                continue
+            replaced = found["replace"]
+            with graph.inserting_before(replaced):
+                lengths = _lengths(graph, found["logits"])
+                new = insert_call(graph, op, (found["logits"], found["k"], lengths, found["offset"]))
+                if found["int64"]:
+                    new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
+            replaced.replace_all_uses_with(new)
+            erase_dead(graph, [replaced])
+            result.matched += 1
+        return result
+
+
+PASS = TopkIndices()

@@ -1,0 +1,113 @@
+"""topk_indices: the indexer's top-k idiom becomes one nsa.topk_indices call; near misses keep torch.topk."""
+
+import pytest
+import torch
+from hypothesis import given
+
+from nsa_inductor.patterns import topk_indices
+import pass_helpers
+from test_ops_reference import HYP, TOPK_CASES, eager_topk_rows, topk_case
+
+PASS = topk_indices.PASS
+INF = float("-inf")
+
+
+def count_topk(gm) -> int:
+    return sum(n.target is torch.ops.aten.topk.default for n in gm.graph.nodes)
+
+
+def run_pass(fn, *args):
+    return pass_helpers.run_pass(PASS, count_topk, fn, *args)
+
+
+def indexer_topk(logits, k):
+    values, indices = torch.topk(logits, k, dim=-1)
+    return indices.masked_fill(values == INF, -1).to(torch.int32)
+
+
+def indexer_topk_with_offset(logits, offset, k):
+    values, indices = torch.topk(logits, k, dim=-1)
+    indices = indices - offset[:, None]
+    return indices.masked_fill(values == INF, -1).to(torch.int32)
+
+
+def where_spelling_int64(logits, offset, k):
+    values, indices = logits.topk(k)
+    return torch.where(values == INF, -1, indices - offset.view(-1, 1))
+
+
+def as_rows(t: torch.Tensor) -> list[list[int]]:
+    return [sorted(r) for r in t.tolist()]
+
+
+@HYP
+@given(**TOPK_CASES)
+def test_fires_and_keeps_the_sets(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
+    logits, k, _, offset = topk_case(rows, cols, k_frac, inf, False, True, seed)
+    for fn, args in ((lambda x: indexer_topk(x, k), (logits,)),
+                     (lambda x, o: indexer_topk_with_offset(x, o, k), (logits, offset)),
+                     (lambda x, o: where_spelling_int64(x, o, k), (logits, offset))):
+        result, before, after, removed = run_pass(fn, *args)
+        assert (result.matched, removed) == (1, 1), result.near_misses
+        assert after.dtype == before.dtype and as_rows(after) == as_rows(before)
+    assert as_rows(before) == eager_topk_rows(logits, k, None, offset)
+
+
+def values_also_returned(logits):
+    values, indices = torch.topk(logits, 3)
+    return values, indices.masked_fill(values == INF, -1)
+
+
+def smallest(logits):
+    values, indices = torch.topk(logits, 3, largest=False)
+    return indices.masked_fill(values == INF, -1)
+
+
+def other_fill(logits):
+    values, indices = torch.topk(logits, 3)
+    return indices.masked_fill(values == INF, -2)
+
+
+def other_test(logits):
+    values, indices = torch.topk(logits, 3)
+    return indices.masked_fill(values < 0, -1)
+
+
+def per_element_offset(logits):
+    values, indices = torch.topk(logits, 3)
+    return (indices - indices.flip(0)).masked_fill(values == INF, -1)
+
+
+def first_dim(logits):
+    values, indices = torch.topk(logits, 3, dim=0)
+    return indices.masked_fill(values == INF, -1)
+
+
+def bf16_logits(logits):
+    values, indices = torch.topk(logits.bfloat16(), 3)
+    return indices.masked_fill(values == INF, -1)
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (values_also_returned, "values or indices unused, or used twice|used for something other"),
+    (smallest, "largest=False"),
+    (other_fill, "not replaced by -1"),
+    (other_test, "used for something other than the == -inf test"),
+    (per_element_offset, "not one integer offset per row"),
+    (first_dim, "dim other than the last"),
+    (bf16_logits, "must be 2-D fp32"),
+])
+def test_near_misses_keep_torch_topk(fn, reason):
+    logits = topk_logits_small()
+    result, before, after, removed = run_pass(fn, logits)
+    assert (result.matched, removed) == (0, 0)
+    assert len(result.near_misses) == 1
+    assert pytest.importorskip("re").search(reason, result.near_misses[0]["reason"]), result.near_misses
+    for a, b in zip(before if isinstance(before, tuple) else (before,), after if isinstance(after, tuple) else (after,)):
+        assert torch.equal(a, b)
+
+
+def topk_logits_small():
+    logits = torch.arange(24.0).view(4, 6).flip(1)
+    logits[1, 2:] = INF
+    return logits
