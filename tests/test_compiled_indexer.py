@@ -79,6 +79,17 @@ EXPECTED_MATCHES = {
 }
 
 
+def test_prefill_of_one_sequence_is_rewritten():
+    """A lone sequence starting at position 0 reads K at the slots decode would use; the mask tells them apart."""
+    eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    batch = prefill_batch(config, layout, [23], seed=5, cache_pages=CACHE_SLOTS // layout.page_size)
+    assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+    for report in reports(dump_dir):
+        matched = {p["name"]: p["matched"] for p in report["passes"]}
+        assert matched == EXPECTED_MATCHES["prefill"], f"{report['graph']}: {report['passes']}"
+
+
 GPU_LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(64), "preshuffle": KCacheLayout(64, preshuffle=True)}
 
 
@@ -108,7 +119,8 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
                  decode_batch(config, layout, [3, 1000, 64], next_n=2, max_len=2112, seed=2, device="cuda",
                               cache_pages=pages)]
     else:
-        cases = [prefill_batch(config, layout, [300, 17, 1000], padding_tokens=5, seed=3, device="cuda")]
+        cases = [prefill_batch(config, layout, [300, 17, 1000], padding_tokens=5, seed=3, device="cuda"),
+                 prefill_batch(config, layout, [700], seed=4, device="cuda")]
     with torch.no_grad():
         for batch in cases:
             eager, comp = batch.clone(), static_cache(batch.clone())

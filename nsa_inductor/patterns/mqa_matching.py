@@ -736,7 +736,7 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     reasons = []
     k_cached = k_leaf in leaves and k_tr == [("view_dtype", torch.uint8, fp8), ("convert", fp8, torch.float32)]
     s_cached = s_leaf in leaves and s_tr == [("view_dtype", torch.uint8, torch.float32)]
-    family = None
+    k_families: set[str] = set()  # address forms the K read fits; a lone sequence from 0 fits both
     if k_cached and s_cached:
         if k_leaf is not s_leaf:
             raise Unproven("K and k_scale are read from different caches")
@@ -760,16 +760,16 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
             b = s_row // next_n
             page_col = (s_col // P).clamp(max=bt64.shape[1] - 1)
             if torch.equal(page_col, s_col // P) and check(bt64[b, page_col] * P + s_col % P):
-                family = "decode"
+                k_families.add("decode")
         cu = probes.values.get(probes.cu_seqlens)
-        if family is None and cu is not None:
+        if cu is not None:
             cu64 = cu.long()
             seq = torch.searchsorted(cu64[1:], s_col, right=True).clamp(max=bt64.shape[0] - 1)
             pos = s_col - cu64[seq]
             pc = pos // P
             if bool((pc < bt64.shape[1]).all()) and check(bt64[seq, pc] * P + pos % P):
-                family = "prefill"
-        if family is None:
+                k_families.add("prefill")
+        if not k_families:
             reasons.append(f"K/k_scale are not read from the cache at the {layout} byte offsets of "
                            "slot block_table[b, s // P] * P + s % P")
         match.cache = k_leaf
@@ -778,22 +778,24 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
         reasons.append(f"K ({k_leaf.name}: {k_tr}) / k_scale ({s_leaf.name}: {s_tr}) are not fp8/fp32 reads of "
                        "the K cache")
 
-    # --- the mask ---
-    if family in (None, "decode") and probes.ctx_lens is not None and batch and rows % batch == 0:
+    # --- the mask (it decides between the families the K read allows) ---
+    allowed = k_families or {"decode", "prefill"}
+    family = next(iter(k_families)) if len(k_families) == 1 else None
+    if "decode" in allowed and probes.ctx_lens is not None and batch and rows % batch == 0:
         next_n = rows // batch
         ctx = probes.values[probes.ctx_lens].long()
         want = col <= ctx[row // next_n] - next_n + row % next_n
         if not torch.equal(visible, want):
             reasons.append("the mask is not col <= context_lens[b] - next_n + j")
-        family = family or "decode"
+        family = "decode"
         match.lens = probes.ctx_lens
-    elif family in (None, "prefill") and probes.cu_seqlens is not None:
+    elif "prefill" in allowed and probes.cu_seqlens is not None:
         cu = probes.values[probes.cu_seqlens].long()
         seq = torch.searchsorted(cu[1:], row, right=True)
         want = (col >= cu[seq]) & (col <= row)
         if not torch.equal(visible, want):
             reasons.append("the mask is not cu_seqlens[seq[t]] <= s <= t")
-        family = family or "prefill"
+        family = "prefill"
         match.lens = probes.cu_seqlens
     else:
         reasons.append("the -inf mask does not read the context lengths / cu_seqlens of the block table's batch"
