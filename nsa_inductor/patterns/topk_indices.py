@@ -92,8 +92,9 @@ def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | No
     if next_n == 1:
         return context_lens
     # row b*next_n + j sees keys s <= ctx[b] - next_n + j
-    steps = insert_call(graph, aten.arange.start, (1 - next_n, 1),
-                        {"dtype": torch.int32, "device": tensor_val(context_lens).device})
+    steps = insert_call(graph, prims.iota.default, (next_n,),
+                        {"start": 1 - next_n, "step": 1, "dtype": torch.int32,
+                         "device": tensor_val(context_lens).device, "requires_grad": False})
     per_step = insert_call(graph, aten.add.Tensor, (insert_call(graph, aten.unsqueeze.default, (context_lens, 1)),
                                                     steps))
     return insert_call(graph, aten.reshape.default, (per_step, [-1]))
