@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
@@ -15,7 +15,11 @@ summary=()
 python3 -c "import torch, triton; print(f'torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}')" \
   | tee "$OUT/versions.txt"
 
-if [ "$mode" != "e2e" ]; then
+if [ "$mode" = "numerics" ]; then
+  python3 benchmarks/stage_diff.py 2>&1 | tee "$OUT/stage_diff.log" | grep '^|'
+fi
+
+if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ]; then
   python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
