@@ -1,5 +1,7 @@
 """topk_indices: the indexer's top-k idiom becomes one nsa.topk_indices call; near misses keep torch.topk."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -53,6 +55,12 @@ def test_fires_and_keeps_the_sets(rows, cols, k_frac, inf, with_lengths, with_of
     assert as_rows(before) == eager_topk_rows(logits, k, None, offset)
 
 
+def topk_logits_small():
+    logits = torch.arange(24.0).view(4, 6).flip(1)
+    logits[1, 2:] = INF
+    return logits
+
+
 def values_also_returned(logits):
     values, indices = torch.topk(logits, 3)
     return values, indices.masked_fill(values == INF, -1)
@@ -102,12 +110,7 @@ def test_near_misses_keep_torch_topk(fn, reason):
     result, before, after, removed = run_pass(fn, logits)
     assert (result.matched, removed) == (0, 0)
     assert len(result.near_misses) == 1
-    assert pytest.importorskip("re").search(reason, result.near_misses[0]["reason"]), result.near_misses
+    assert re.search(reason, result.near_misses[0]["reason"]), result.near_misses
     for a, b in zip(before if isinstance(before, tuple) else (before,), after if isinstance(after, tuple) else (after,)):
         assert torch.equal(a, b)
 
-
-def topk_logits_small():
-    logits = torch.arange(24.0).view(4, 6).flip(1)
-    logits[1, 2:] = INF
-    return logits

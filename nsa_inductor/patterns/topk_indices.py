@@ -69,7 +69,7 @@ def _is_minus_one(node: Any) -> bool:
 
 def _row_offset(node: Any, rows: Any) -> torch.fx.Node | None:
     """``o`` when ``node`` is ``o[:, None]`` (spelled unsqueeze / view / reshape) of a 1-D integer ``o`` of ``rows``."""
-    if not (is_op(node, aten.unsqueeze.default, *VIEW_OPS)):
+    if not is_op(node, aten.unsqueeze.default, *VIEW_OPS):
         return None
     source, fake, out = node.args[0], tensor_val(node.args[0]), tensor_val(node)
     if fake is None or out is None or fake.dim() != 1 or fake.dtype.is_floating_point or fake.dtype == torch.bool:
