@@ -446,14 +446,15 @@ def test_preshuffle_needs_page_multiple_of_16():
 
 
 def eager_topk_rows(logits, k, lengths=None, offset=None) -> list[list[int]]:
-    """What the indexer computes eagerly (columns past ``lengths`` are -inf there), each row as a sorted list."""
-    if lengths is not None:
-        cols = torch.arange(logits.shape[1], device=logits.device)
-        logits = logits.masked_fill(cols[None, :] >= lengths[:, None], float("-inf"))
-    values, indices = torch.topk(logits, k, dim=-1)
-    if offset is not None:
-        indices = indices - offset[:, None]
-    return [sorted(r) for r in indices.masked_fill(values == float("-inf"), -1).tolist()]
+    """What the indexer computes eagerly, found by sorting each row in Python (columns past ``lengths`` count as
+    -inf; finite values must be distinct): the k largest columns minus the offset, -1 for -inf ones, sorted."""
+    rows = []
+    for r, row in enumerate(logits.tolist()):
+        visible = len(row) if lengths is None else max(0, min(int(lengths[r]), len(row)))
+        ranked = sorted(((v if c < visible else -math.inf, c) for c, v in enumerate(row)), key=lambda vc: -vc[0])
+        shift = 0 if offset is None else int(offset[r])
+        rows.append(sorted(-1 if v == -math.inf else c - shift for v, c in ranked[:k]))
+    return rows
 
 
 def topk_logits(rows, cols, neg_inf_fraction, seed) -> torch.Tensor:
