@@ -8,7 +8,7 @@ from hypothesis import given
 
 from nsa_inductor.patterns import topk_indices
 import pass_helpers
-from test_ops_reference import HYP, TOPK_CASES, eager_topk_rows, topk_case
+from test_ops_reference import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
 
 PASS = topk_indices.PASS
 INF = float("-inf")
@@ -114,3 +114,15 @@ def test_near_misses_keep_torch_topk(fn, reason):
     for a, b in zip(before if isinstance(before, tuple) else (before,), after if isinstance(after, tuple) else (after,)):
         assert torch.equal(a, b)
 
+
+
+def test_one_compile_serves_every_row_count():
+    """Decode's row count (tokens) is dynamic; the logits width and k are not. One graph, the op in it, sets kept."""
+    from pass_helpers import compile_with_dumps, graph_dirs, pass_entry
+
+    compiled, dump_dir = compile_with_dumps(lambda x: indexer_topk(x, 5), dynamic=True)
+    for rows in (3, 17, 300):
+        logits = topk_logits(rows, 40, 0.3, seed=rows)
+        assert as_rows(compiled(logits)) == eager_topk_rows(logits, 5)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
