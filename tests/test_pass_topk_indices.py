@@ -35,7 +35,7 @@ def indexer_topk_with_offset(logits, offset, k):
 
 def where_spelling_int64(logits, offset, k):
     values, indices = logits.topk(k)
-    return torch.where(values == INF, -1, indices - offset.view(-1, 1))
+    return torch.where(values.isneginf(), -1, indices - offset.view(-1, 1))
 
 
 def as_rows(t: torch.Tensor) -> list[list[int]]:
