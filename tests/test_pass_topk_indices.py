@@ -86,6 +86,11 @@ def per_element_offset(logits):
     return (indices - indices.flip(0)).masked_fill(values == INF, -1)
 
 
+def scaled_offset(logits):
+    values, indices = torch.topk(logits, 3)
+    return torch.sub(indices, torch.arange(4)[:, None], alpha=2).masked_fill(values == INF, -1)
+
+
 def first_dim(logits):
     values, indices = torch.topk(logits, 3, dim=0)
     return indices.masked_fill(values == INF, -1)
@@ -102,6 +107,7 @@ def bf16_logits(logits):
     (other_fill, "not replaced by -1"),
     (other_test, "used for something other than the == -inf test"),
     (per_element_offset, "not one integer offset per row"),
+    (scaled_offset, "not one integer offset per row|not to the top-k indices"),
     (first_dim, "dim other than the last"),
     (bf16_logits, "must be 2-D fp32"),
 ])

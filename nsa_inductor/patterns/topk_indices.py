@@ -120,7 +120,8 @@ def match_topk(topk: torch.fx.Node) -> tuple[dict[str, Any] | None, str]:
     if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[1])):
         return None, "the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))"
     chosen, offset = fill.args[2], None
-    if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1:
+    if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1 \
+            and chosen.kwargs.get("alpha", 1) == 1:
         offset = _row_offset(chosen.args[1], fake.shape[0])
         if offset is None:
             return None, f"indices minus {chosen.args[1]}: not one integer offset per row"
