@@ -529,7 +529,8 @@ TOPK_BLOCK = 1024
 
 
 def topk_indices(logits, k, lengths, offset, out=None):
-    """``[R, k]`` int32: a top-k set per row (ascending column order), -1 for -inf values and missing columns."""
+    """``[R, k]`` int32: a top-k set per row (the larger values in column order, then the ties), -1 for -inf values
+    and missing columns."""
     rows, n_cols = logits.shape
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
