@@ -11,10 +11,10 @@ In the post-grad graph: ``topk -> getitem 0 / 1``, ``eq(values, -inf)``, optiona
 launches per call; the replacement is one. When the logits come from an ``nsa`` logits op, the op's own mask proves
 every column past a row's last visible key is -inf, so the kernel scans only those columns (``lengths``).
 
-What the replacement changes: the order of the indices within a row (column order, ties at the k-th value last, instead of descending value).
-The indexer's consumers (sparse attention gathers) use the indices as a set, which is what DESIGN §4 specifies; a
-program that needs eager's order turns the pass off with ``nsa.disable_passes=["topk_indices"]``. Ties at the k-th
-value may pick different (equally valid) columns.
+What the replacement changes: the order of the indices within a row (column order, ties at the k-th value last,
+instead of descending value). The indexer's consumers (sparse attention gathers) use the indices as a set, which is
+what DESIGN §4 specifies; a program that needs eager's order turns the pass off with
+``nsa.disable_passes=["topk_indices"]``. Ties at the k-th value may pick different (equally valid) columns.
 
 Near misses (reported): ``largest=False``, a dim other than the last, logits that are not 2-D fp32, the values used
 for anything but the ``== -inf`` test, a fill other than -1, an offset that is not one value per row.
