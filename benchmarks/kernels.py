@@ -94,6 +94,11 @@ def bench_paged(args, tk, rows: list[dict]) -> None:
                 del inputs
 
 
+def _bandwidth_row(kernel: str, case: str, us: float, torch_us: float | None, nbytes: int) -> dict:
+    return {"kernel": kernel, "case": case, "us": us, "torch_us": torch_us, "gbps": nbytes / us / 1e3,
+            "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": ""}
+
+
 def bench_quant_store(args, tk, rows: list[dict]) -> None:
     for tokens in (64, 8192):
         for name, (page_size, preshuffle) in LAYOUTS.items():
@@ -105,10 +110,7 @@ def bench_quant_store(args, tk, rows: list[dict]) -> None:
             nbytes = tokens * (128 * 2 + 8 + 132)
             us = _bench(lambda: tk.quant_cache_store(*call), args.quick)
             torch_us = None if args.no_torch else _bench(lambda: reference.quant_cache_store(*call), True)
-            rows.append({
-                "kernel": "quant_cache_store", "case": f"{name} T={tokens}", "us": us, "torch_us": torch_us,
-                "gbps": nbytes / us / 1e3, "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": "",
-            })
+            rows.append(_bandwidth_row("quant_cache_store", f"{name} T={tokens}", us, torch_us, nbytes))
 
 
 def bench_gather(args, tk, rows: list[dict]) -> None:
@@ -121,10 +123,7 @@ def bench_gather(args, tk, rows: list[dict]) -> None:
         nbytes = 2 * batch * ctx * 132
         us = _bench(lambda: tk.gather_k(*call), args.quick)
         torch_us = None if args.no_torch else _bench(lambda: reference.gather_k(*call), True)
-        rows.append({
-            "kernel": "gather_k", "case": f"{name} T={batch * ctx}", "us": us, "torch_us": torch_us,
-            "gbps": nbytes / us / 1e3, "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": "",
-        })
+        rows.append(_bandwidth_row("gather_k", f"{name} T={batch * ctx}", us, torch_us, nbytes))
 
 
 def bench_ragged(args, tk, rows: list[dict]) -> None:

@@ -75,7 +75,7 @@ EXPECTED_MATCHES = {
                "searchsorted_offset": 0},
     "prefill": {"rope_copy_elision": 1, "quant_cache_store": 1, "head_gate_gemm": 1, "paged_mqa_logits": 0,
                 "ragged_mqa_logits": 1, "empty_logits_buffer": 0, "topk_indices": 1,
-                "searchsorted_offset": 1},
+                "searchsorted_offset": 2},
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, eager_topk_rows, paged_logits64, \
-    random_block_table, random_cache, random_fp8, ragged_logits64, topk_logits
+    random_fp8, random_paged_cache, ragged_logits64, topk_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,10 +65,7 @@ def test_gather_k_exact_and_fully_written(layout, dtype):
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(1)
     lengths = [1000, 0, 37, 2049, 64]
-    max_pages = -(-max(lengths) // page_size)
-    num_pages = len(lengths) * max_pages + 3
-    cache = random_cache(num_pages, page_size, dtype, gen).to(DEV)
-    block_table = random_block_table(len(lengths), max_pages, num_pages, gen).to(DEV)
+    cache, block_table = (t.to(DEV) for t in random_paged_cache(lengths, page_size, dtype, gen, spare_pages=3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     num_tokens = int(cu[-1]) + 50
     poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8, device=DEV).view(dtype),
@@ -87,10 +84,7 @@ def test_paged_mqa_logits(layout, heads, next_n):
     gen = torch.Generator().manual_seed(2)
     ctx = [0, 1, 1000, 4099]
     max_len = 9000  # far above the longest context
-    max_pages = -(-max(ctx) // page_size)
-    num_pages = len(ctx) * max_pages + 1
-    cache = random_cache(num_pages, page_size, FN, gen)
-    block_table = random_block_table(len(ctx), max_pages, num_pages, gen)
+    cache, block_table = random_paged_cache(ctx, page_size, FN, gen)
     q = random_fp8((len(ctx), next_n, heads, 128), FN, gen)
     weights = torch.randn(len(ctx) * next_n, heads, generator=gen)
     context_lens = torch.tensor(ctx, dtype=torch.int32)

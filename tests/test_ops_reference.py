@@ -138,6 +138,14 @@ def random_block_table(batch, max_pages, num_pages, gen) -> torch.Tensor:
     return torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages).int()
 
 
+def random_paged_cache(lengths, page_size, dtype, gen, spare_pages=1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache and a block table giving each sequence of ``lengths`` its own shuffled pages, with
+    ``spare_pages`` pages nobody owns."""
+    max_pages = max(1, -(-max(lengths) // page_size))
+    num_pages = len(lengths) * max_pages + spare_pages
+    return random_cache(num_pages, page_size, dtype, gen), random_block_table(len(lengths), max_pages, num_pages, gen)
+
+
 
 
 def adversarial_k(fmax: float) -> torch.Tensor:
@@ -236,10 +244,7 @@ def test_quant_cache_store_all_padding_writes_nothing():
 def test_gather_k_matches_decoded_cache(layout, lengths, spare, dtype, seed):
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(seed)
-    max_pages = max(1, -(-max(lengths) // page_size))
-    num_pages = len(lengths) * max_pages + 1
-    cache = random_cache(num_pages, page_size, dtype, gen)
-    block_table = random_block_table(len(lengths), max_pages, num_pages, gen)
+    cache, block_table = random_paged_cache(lengths, page_size, dtype, gen)
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
     total = int(cu[-1])
     k, scale = torch.ops.nsa.gather_k(cache, block_table, cu, page_size, preshuffle, total + spare, dtype)
@@ -272,10 +277,7 @@ def test_paged_mqa_logits_matches_float64(layout, heads, next_n, ctx, extra_len,
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(seed)
     batch = len(ctx)
-    max_pages = max(1, -(-max(ctx) // page_size))
-    num_pages = batch * max_pages + 2
-    cache = random_cache(num_pages, page_size, dtype, gen)
-    block_table = random_block_table(batch, max_pages, num_pages, gen)
+    cache, block_table = random_paged_cache(ctx, page_size, dtype, gen, spare_pages=2)
     q = random_fp8((batch, next_n, heads, 128), dtype, gen)
     weights = torch.randn(batch * next_n, heads, generator=gen)
     context_lens = torch.tensor(ctx, dtype=torch.int32)

@@ -17,7 +17,7 @@ import torch
 
 from hypothesis import given
 from test_ops_reference import FN, FNUZ, HYP, TOPK_CASES, adversarial_k, assert_logits_close, eager_topk_rows, \
-    paged_logits64, random_block_table, random_cache, random_fp8, ragged_logits64, topk_case
+    paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, topk_case
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
@@ -75,10 +75,7 @@ def test_gather_k_matches_reference(layout):
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(1)
     lengths = [7, 0, 21, 3]
-    max_pages = -(-max(lengths) // page_size)
-    num_pages = len(lengths) * max_pages + 1
-    cache = random_cache(num_pages, page_size, FN, gen)
-    block_table = random_block_table(len(lengths), max_pages, num_pages, gen)
+    cache, block_table = random_paged_cache(lengths, page_size, FN, gen)
     cu = torch.tensor([0, 7, 7, 28, 31], dtype=torch.int32)
     num_tokens = 36
     poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8).view(FN),
@@ -98,10 +95,7 @@ def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
     gen = torch.Generator().manual_seed(2)
     ctx = [0, 1, 37, 50]
     max_len = 120  # far past the longest context: whole -inf chunks
-    max_pages = -(-max(ctx) // page_size)
-    num_pages = len(ctx) * max_pages + 1
-    cache = random_cache(num_pages, page_size, FN, gen)
-    block_table = random_block_table(len(ctx), max_pages, num_pages, gen)
+    cache, block_table = random_paged_cache(ctx, page_size, FN, gen)
     q = random_fp8((len(ctx), next_n, heads, 128), FN, gen)
     weights = torch.randn(len(ctx) * next_n, heads, generator=gen)
     args = (q, cache, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, page_size, preshuffle)

@@ -146,6 +146,18 @@ def _backend(op: str, device: torch.device, fp8_dtype: torch.dtype) -> str:
     return "triton"
 
 
+def _implementation(op: str, device: torch.device, fp8_dtype: torch.dtype):
+    """The function that runs this call of ``op``: from ``aiter_dispatch``, ``triton_kernels`` or ``reference``."""
+    backend = _backend(op, device, fp8_dtype)
+    if backend == "aiter":
+        from . import aiter_dispatch as module
+    elif backend == "triton":
+        from . import triton_kernels as module
+    else:
+        module = reference
+    return getattr(module, op)
+
+
 def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
@@ -172,17 +184,8 @@ def quant_cache_store(
     """``act_quant(k)`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped)."""
     _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
     k, slot_mapping = _contiguous(k, slot_mapping)
-    backend = _backend("quant_cache_store", k.device, fp8_dtype)
-    if backend == "aiter":
-        from . import aiter_dispatch
-
-        aiter_dispatch.quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
-    elif backend == "triton":
-        from . import triton_kernels
-
-        triton_kernels.quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
-    else:
-        reference.quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
+    run = _implementation("quant_cache_store", k.device, fp8_dtype)
+    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
 
 
 @quant_cache_store.register_fake
@@ -203,16 +206,8 @@ def gather_k(
     """The sequences' cached K as contiguous ``(k_fp8 [num_tokens,128], k_scale [num_tokens])``; spare rows zero."""
     _validate_gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
     block_table, cu_seqlens = _contiguous(block_table, cu_seqlens)
-    backend = _backend("gather_k", cache.device, fp8_dtype)
-    if backend == "aiter":
-        from . import aiter_dispatch
-
-        return aiter_dispatch.gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
-    if backend == "triton":
-        from . import triton_kernels
-
-        return triton_kernels.gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
-    return reference.gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
+    run = _implementation("gather_k", cache.device, fp8_dtype)
+    return run(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
 
 
 @gather_k.register_fake
@@ -239,16 +234,7 @@ def paged_mqa_logits(
     _validate_paged(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
     q_fp8, weights, context_lens, block_table = _contiguous(q_fp8, weights, context_lens, block_table)
     args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
-    backend = _backend("paged_mqa_logits", q_fp8.device, q_fp8.dtype)
-    if backend == "aiter":
-        from . import aiter_dispatch
-
-        return aiter_dispatch.paged_mqa_logits(*args)
-    if backend == "triton":
-        from . import triton_kernels
-
-        return triton_kernels.paged_mqa_logits(*args)
-    return reference.paged_mqa_logits(*args)
+    return _implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype)(*args)
 
 
 @paged_mqa_logits.register_fake
@@ -269,16 +255,7 @@ def mqa_logits(
     """Ragged (prefill) logits ``[T, N]`` fp32: row t sees keys ``ks[t] <= n < ke[t]``, -inf elsewhere."""
     _validate_mqa(q_fp8, k_fp8, k_scale, weights, ks, ke)
     args = _contiguous(q_fp8, k_fp8, k_scale, weights, ks, ke)
-    backend = _backend("mqa_logits", q_fp8.device, q_fp8.dtype)
-    if backend == "aiter":
-        from . import aiter_dispatch
-
-        return aiter_dispatch.mqa_logits(*args)
-    if backend == "triton":
-        from . import triton_kernels
-
-        return triton_kernels.mqa_logits(*args)
-    return reference.mqa_logits(*args)
+    return _implementation("mqa_logits", q_fp8.device, q_fp8.dtype)(*args)
 
 
 @mqa_logits.register_fake

@@ -46,10 +46,9 @@ def rewrite(graph: torch.fx.Graph, m, layout) -> None:
         cu64 = as_dtype(graph, cu, torch.int64)
         token = insert_like(graph, torch.ops.prims.iota.default, (tokens,),
                             dict(start=0, step=1, dtype=torch.int64, device=val(cu).device, requires_grad=False), cu)
-        # searchsorted(cu[1:], t, right) as clamp(searchsorted(cu, t, right) - 1, 0): Inductor on torch 2.11 cannot
-        # search a sliced computed buffer.
-        found = insert_call(graph, aten.searchsorted.Tensor, (cu64, token), {"right": True})
-        seq = insert_call(graph, aten.clamp_min.default, (insert_call(graph, aten.sub.Tensor, (found, 1)), 0))
+        # the searchsorted_offset pass, which runs later, gives this search a copy of the slice (torch 2.11)
+        ends = insert_call(graph, aten.slice.Tensor, (cu64, 0, 1))
+        seq = insert_call(graph, aten.searchsorted.Tensor, (ends, token), {"right": True})
         ks = as_dtype(graph, insert_call(graph, aten.index.Tensor, (cu64, [seq])), torch.int32)
         ke = as_dtype(graph, insert_call(graph, aten.add.Tensor, (token, 1)), torch.int32)
         out = insert_call(graph, torch.ops.nsa.mqa_logits.default, (q, k8, k_scale, weights, ks, ke))
