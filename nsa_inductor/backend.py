@@ -15,6 +15,13 @@ from .pass_manager import NsaPassManager
 # bf16 bit and the cache bytes stop matching eager. Users may still override it in ``options``.
 EAGER_NUMERICS = {"emulate_precision_casts": True}
 
+# Let a single-use pointwise chain grow to 12 reads / 64 ops before Inductor stores it (its GPU defaults: 8 / 30; its
+# CPU defaults: 12 / 50). RoPE with the cos/sin gather reads 9-10 buffers in ~40-54 ops: under the GPU defaults it
+# is stored, and its write-back into the head slice plus the fp32 cast for the Hadamard GEMM become a second kernel,
+# for q and for k. Only where intermediates are stored changes, never the arithmetic. ``options`` may override it.
+ROPE_FUSION = {"realize_acc_reads_threshold": 12, "realize_opcount_threshold": 64}
+INDUCTOR_SETTINGS = {**EAGER_NUMERICS, **ROPE_FUSION}
+
 
 def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
              options: dict[str, Any] | None = None):
@@ -27,7 +34,7 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     from torch._inductor.compile_fx import compile_fx
 
     nsa_options, inductor_options = parse_options(options)
-    patches: dict[str, Any] = dict(EAGER_NUMERICS)
+    patches: dict[str, Any] = dict(INDUCTOR_SETTINGS)
     patches.update(torch._inductor.list_mode_options(mode) if mode else {})
     patches.update(inductor_options)
     existing = inductor_options.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
@@ -109,7 +116,8 @@ class install:
 
     ``nsa_inductor.install()`` installs it for good; ``with nsa_inductor.install():`` restores the previous pass on
     exit. A pass already set there keeps running, after the nsa passes. Like the backend, it turns on
-    ``emulate_precision_casts`` so compiled code rounds bf16 intermediates as eager does.
+    ``emulate_precision_casts`` so compiled code rounds bf16 intermediates as eager does, and the RoPE fusion
+    thresholds (``ROPE_FUSION``).
     """
 
     def __init__(self, options: dict[str, Any] | None = None, config=None):
@@ -120,10 +128,10 @@ class install:
             raise ValueError(f"install() takes nsa.* options only, got {sorted(inductor_options)}")
         self.config = config if config is not None else torch._inductor.config
         self.previous = {"post_grad_custom_post_pass": self.config.post_grad_custom_post_pass,
-                         **{k: getattr(self.config, k) for k in EAGER_NUMERICS}}
+                         **{k: getattr(self.config, k) for k in INDUCTOR_SETTINGS}}
         self.manager = NsaPassManager(nsa_options, inner=self.previous["post_grad_custom_post_pass"])
         self.config.post_grad_custom_post_pass = self.manager
-        for key, value in EAGER_NUMERICS.items():
+        for key, value in INDUCTOR_SETTINGS.items():
             setattr(self.config, key, value)
 
     def __enter__(self) -> NsaPassManager:

@@ -174,3 +174,36 @@ def test_bf16_rounding_survives_a_lossy_pointless_convert(monkeypatch):
     assert not torch.equal(unrounded, fn(x))
     assert torch.equal(kept, fn(x))
     assert all(entry.handler is _fold_any_float_chain for entry in entries)
+
+
+def _rope_write_back(a, b, cos_sin, positions):
+    """The indexer's q path: projection, RoPE written back into each head's first 64 columns, fp32 for Hadamard."""
+    q = (a @ b).view(a.shape[0], -1, 128)
+    cos, sin = cos_sin[positions][:, None].unbind(2)
+    q_pe = q[..., :64]
+    x1, x2 = q_pe.float().chunk(2, dim=-1)
+    q_pe.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q.dtype))
+    return q.float() @ torch.eye(128)
+
+
+def _buffers_allocated(options):
+    """Buffers Inductor's code allocates for ``_rope_write_back`` with pointwise ``cat`` forced, as on GPUs."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 32, generator=gen).bfloat16(), torch.randn(32, 512, generator=gen).bfloat16()
+    angles = torch.rand(16, 1, 32, generator=gen) * torch.arange(16)[:, None, None]
+    args = (a, b, torch.cat([angles.cos(), angles.sin()], 1), torch.tensor([3, 0, 15, 7, 7, 1]))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, force_pointwise_cat=True):
+        fn = torch.compile(_rope_write_back, backend="nsa_rocm", options=options)
+        out, (code, *_) = run_and_get_code(fn, *args)
+    assert torch.equal(out, _rope_write_back(*args))
+    return code.count("= empty_strided_cpu((")
+
+
+def test_rope_and_its_write_back_fuse():
+    """Under Inductor's GPU thresholds the rotated slice is stored first and merged back by a second kernel; with
+    the backend's that buffer is gone: projection, fp32 copy, identity matrix and product remain."""
+    assert _buffers_allocated({}) == 4
+    assert _buffers_allocated({"realize_acc_reads_threshold": 8, "realize_opcount_threshold": 30}) == 5
