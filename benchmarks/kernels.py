@@ -147,6 +147,23 @@ def bench_ragged(args, tk, rows: list[dict]) -> None:
     })
 
 
+def bench_head_gate(args, tk, rows: list[dict]) -> None:
+    """weights_proj of DeepSeek-V3.2 (x [M, 7168] bf16, W [64, 7168] fp32, 4 splits as the pass chooses), against
+    eager's ``F.linear(x.float(), W)``; the sweep adds the tilings the default was chosen against."""
+    weight = torch.randn(64, 7168, device=DEV) * 7168**-0.5
+    for tokens in (1, 64, 4096):
+        x = torch.randn(tokens, 7168, device=DEV).bfloat16()
+        default = tk._default_head_gate_config(tokens)
+        configs = [default, *(tk.HeadGateConfig(*c) for c in ((16, 32, 4), (64, 16, 4), (32, 16, 4), (16, 16, 3)))]
+        results = {cfg: _bench(lambda cfg=cfg: tk.head_gate_gemm(x, weight, 4, False, config=cfg), args.quick)
+                   for cfg in dict.fromkeys(configs)}
+        torch_us = None if args.no_torch else _bench(lambda: torch.nn.functional.linear(x.float(), weight), True)
+        nbytes = weight.numel() * 4 + x.numel() * 2 + 4 * tokens * 64 * 4
+        rows.append({**_bandwidth_row("head_gate_gemm", f"split M={tokens} N=64 K=7168", results[default], torch_us,
+                                      nbytes),
+                     "config": str(default), "sweep": {str(c): t for c, t in results.items()}})
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| kernel | case | µs | torch µs | speedup | achieved | floor µs | % of floor | config |",
@@ -172,7 +189,7 @@ def main() -> None:
     parser.add_argument("--ragged-config", action="append", metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
                         help="ragged logits config to try (repeatable; default: the kernel's)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference timings")
-    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather"], action="append",
+    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate"], action="append",
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -181,7 +198,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     rows: list[dict] = []
-    benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged}
+    benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
+               "head_gate": bench_head_gate}
     for name, bench in benches.items():
         if not args.only or name in args.only:
             bench(args, tk, rows)

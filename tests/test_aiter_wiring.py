@@ -116,6 +116,16 @@ def test_quant_cache_store_wiring(monkeypatch, layout, scale_fmt):
     assert cache[0, 0] == torch.tensor(1.0).to(FNUZ).view(torch.uint8)
 
 
+def test_quant_cache_store_wiring_applies_the_input_epilogue_first(monkeypatch):
+    """aiter quantizes what it is given: the scaled, bf16-rounded K, not the fp32 GEMM output."""
+    rec = _install(monkeypatch, NEW_TRITON_PKG)
+    y = torch.randn(5, 128) * 30
+    aiter_dispatch.quant_cache_store(y, torch.zeros(3, 64 * 132, dtype=torch.uint8), torch.arange(5), 64, True,
+                                     "ue8m0", FNUZ, 128**-0.5, torch.bfloat16)
+    [(name, call)] = rec.calls
+    assert torch.equal(call.arguments["k"], (y * 128**-0.5).bfloat16())
+
+
 def test_gather_k_wiring(monkeypatch):
     rec = _install(monkeypatch, NEW_TRITON_PKG)
     cache = torch.zeros(4, 64 * 132, dtype=torch.uint8)

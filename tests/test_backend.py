@@ -72,10 +72,11 @@ def test_install_composes_with_an_existing_pass_and_restores_it():
     import torch._inductor.config as inductor_config
 
     user_pass = CountingPass()
+    reads_threshold = inductor_config.realize_acc_reads_threshold
     with inductor_config.patch(post_grad_custom_post_pass=user_pass, emulate_precision_casts=False):
         with nsa_inductor.install() as manager:
             assert inductor_config.post_grad_custom_post_pass is manager and manager.inner is user_pass
-            assert inductor_config.emulate_precision_casts
+            assert inductor_config.emulate_precision_casts and inductor_config.realize_acc_reads_threshold == 12
             torch._dynamo.reset()
             fn = torch.compile(lambda x: x * 3)
             assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))
@@ -84,6 +85,7 @@ def test_install_composes_with_an_existing_pass_and_restores_it():
             assert uuid and uuid != NsaPassManager(NsaOptions()).uuid()
         assert inductor_config.post_grad_custom_post_pass is user_pass
         assert not inductor_config.emulate_precision_casts
+        assert inductor_config.realize_acc_reads_threshold == reads_threshold
     with pytest.raises(ValueError, match="nsa.\\* options only"):
         nsa_inductor.install({"max_autotune": True})
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_ops_reference import FN, FNUZ, adversarial_k, assert_logits_close, eager_topk_rows, paged_logits64, \
-    random_fp8, random_paged_cache, ragged_logits64, topk_logits
+from test_ops_reference import FN, FNUZ, WEIGHT_MODES, adversarial_k, assert_logits_close, assert_rows_close, \
+    eager_topk_rows, head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,6 +53,22 @@ def test_quant_cache_store_bit_exact(layout, scale_fmt, dtype):
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, page_size, preshuffle, scale_fmt, dtype)
     _tk().quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
+    diff = (cache != want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
+def test_quant_cache_store_input_epilogue_bit_exact(input_dtype):
+    """The rotation epilogue done in the kernel gives the bytes of storing the eagerly scaled and rounded K."""
+    from nsa_inductor.lowering import reference
+
+    gen = torch.Generator().manual_seed(3)
+    y = (torch.randn(4096, 128, generator=gen) * torch.logspace(-3, 3, 4096)[:, None]).to(DEV)
+    slots = torch.randperm(4096 + 64, generator=gen)[:4096].to(DEV)
+    cache = torch.randint(0, 256, (-(-(4096 + 64) // 64), 64 * 132), dtype=torch.uint8, generator=gen).to(DEV)
+    want = cache.clone()
+    reference.quant_cache_store((y * 128**-0.5).to(input_dtype), want, slots, 64, False, "ue8m0", FN)
+    _tk().quant_cache_store(y, cache, slots, 64, False, "ue8m0", FN, 128**-0.5, input_dtype)
     diff = (cache != want).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
 
@@ -147,6 +163,39 @@ def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
     out = torch.full((rows, k), 12345, dtype=torch.int32, device=DEV)  # poisoned: every slot must be written
     got = _tk().topk_indices(logits, k, lengths, offset, out=out)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+@pytest.mark.parametrize("mode", ["split", "round"])
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_head_gate_gemm_deepseek_v32_size(rows, mode):
+    """weights_proj of DeepSeek-V3.2: x [M, 7168] bf16, W [64, 7168] fp32, 4 splits (the pass's choice for K=7168).
+    Partials against the torch reference on this GPU, their sum against the float64 model; every element written."""
+    from nsa_inductor.lowering import reference
+
+    _, round_weight = WEIGHT_MODES[mode]
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 7168, generator=gen).bfloat16().to(DEV)
+    weight = (torch.randn(64, 7168, generator=gen) * 7168**-0.5).to(DEV)
+    out = torch.full((4, rows, 64), float("nan"), device=DEV)
+    got = _tk().head_gate_gemm(x, weight, 4, round_weight, out=out)
+    assert_rows_close(got, reference.head_gate_gemm(x, weight, 4, round_weight))
+    total = torch.ops.nsa.head_gate_gemm(x, weight, 4, round_weight).sum(0, keepdim=True)
+    assert_rows_close(total, head_gate_partials64(x, weight, 1, round_weight))
+
+
+def test_head_gate_gemm_captures_in_cuda_graph():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 7168, generator=gen).bfloat16().to(DEV)
+    weight = torch.randn(64, 7168, generator=gen).to(DEV)
+    torch.ops.nsa.head_gate_gemm(x, weight, 4, False)  # compile the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        partials = torch.ops.nsa.head_gate_gemm(x, weight, 4, False)
+    x.copy_(torch.randn(64, 7168, generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(partials, torch.ops.nsa.head_gate_gemm(x, weight, 4, False))
 
 
 def test_ops_capture_in_cuda_graph():

@@ -221,6 +221,22 @@ def test_quant_cache_store_adversarial_values(dtype, scale_fmt, layout):
     _check_store(k, page_size, preshuffle, scale_fmt, dtype, slots, num_pages, gen)
 
 
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16, None])
+def test_quant_cache_store_input_epilogue(input_dtype):
+    """``input_scale``/``input_dtype`` store exactly what storing ``(y * scale).to(dtype)`` stores."""
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(9, 128, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    slots = torch.tensor([3, 0, 15, 7, -1, 9, 12, 1, 30])
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
+    want, got = cache.clone(), cache.clone()
+    k = y * 128**-0.5
+    torch.ops.nsa.quant_cache_store(k if input_dtype is None else k.to(input_dtype), want, slots, 16, True, "ue8m0")
+    torch.ops.nsa.quant_cache_store(y, got, slots, 16, True, "ue8m0", FN, 128**-0.5, input_dtype)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="input_dtype must be None or one of"):
+        torch.ops.nsa.quant_cache_store(y, got, slots, 16, True, "ue8m0", FN, 1.0, FN)
+
+
 def test_quant_cache_store_all_padding_writes_nothing():
     cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8)
     before = cache.clone()
@@ -343,10 +359,14 @@ def _small_inputs():
         "mqa_logits": (random_fp8((6, 16, 128), FN, gen), k8, ks8, torch.randn(6, 16, generator=gen), ks, ke),
         "topk_indices": (torch.randn(4, 30, generator=gen), 7, torch.tensor([30, 3, 0, 12], dtype=torch.int32),
                          torch.tensor([0, 1, 2, 3])),
+        "head_gate_gemm": (torch.randn(5, 130, generator=gen).bfloat16(), torch.randn(12, 130, generator=gen), 3,
+                           False),
     }
 
 
-@pytest.mark.parametrize("name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices"])
+@pytest.mark.parametrize(
+    "name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices", "head_gate_gemm"]
+)
 def test_opcheck(name):
     utils = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     if name in ("paged_mqa_logits", "mqa_logits"):
@@ -370,6 +390,8 @@ def test_fake_shapes():
         assert (out.shape, out.dtype) == ((6, 9), torch.float32)
         out = torch.ops.nsa.topk_indices(*fake["topk_indices"])
         assert (out.shape, out.dtype) == ((4, 7), torch.int32)
+        out = torch.ops.nsa.head_gate_gemm(*fake["head_gate_gemm"])
+        assert (out.shape, out.dtype) == ((3, 5, 12), torch.float32)
 
 
 def test_quant_cache_store_is_declared_mutating():
@@ -427,6 +449,11 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("topk_indices", 1, 31, r"k must be in \[0, N=30\], got 31"),
         ("topk_indices", 2, torch.zeros(3, dtype=torch.int32), r"lengths must be int32 or int64 \[R=4\]"),
         ("topk_indices", 3, torch.zeros(4, 1, dtype=torch.int64), r"offset must be int32 or int64 \[R=4\]"),
+        ("head_gate_gemm", 0, torch.zeros(5, 130), r"x must be bfloat16 \[M, K\], got float32 \[5, 130\]"),
+        ("head_gate_gemm", 0, torch.zeros(5, 2, 65).bfloat16(), r"x must be bfloat16 \[M, K\], got .*\[5, 2, 65\]"),
+        ("head_gate_gemm", 1, torch.zeros(12, 129), r"weight must be .*bfloat16 \[N, K=130\], got .*\[12, 129\]"),
+        ("head_gate_gemm", 1, torch.zeros(12, 130).half(), r"weight must be float32 or bfloat16 .* got float16"),
+        ("head_gate_gemm", 2, 0, r"splits must be >= 1, got 0"),
     ],
 )
 def test_validation_errors_name_the_tensor(name, index, value, message):
@@ -485,3 +512,117 @@ def test_topk_indices_reference_is_eager_topk_as_sets(rows, cols, k_frac, inf, w
     got = torch.ops.nsa.topk_indices(logits, k, lengths, offset)
     assert got.dtype == torch.int32 and got.shape == (rows, k)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# head-gate GEMM
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bf16_bits64(v: torch.Tensor, rounding) -> torch.Tensor:
+    """float64 ``v`` cut to bf16's 8 significant bits by ``rounding`` (``torch.trunc``, or ``torch.round``: ties to
+    even) of the mantissa scaled to [128, 256)."""
+    mantissa, exponent = torch.frexp(v)
+    return torch.ldexp(rounding(mantissa * 256), exponent - 8)
+
+
+def head_gate_weight64(weight: torch.Tensor, round_weight: bool) -> torch.Tensor:
+    """The weight the op multiplies by, in float64: bf16 as is; fp32 rounded to bf16, or ``hi`` (truncated to bf16)
+    plus ``lo`` (the rest, rounded to bf16)."""
+    w = weight.double().cpu()
+    if weight.dtype == torch.bfloat16:
+        return w
+    if round_weight:
+        return bf16_bits64(w, torch.round)
+    hi = bf16_bits64(w, torch.trunc)
+    return hi + bf16_bits64(w - hi, torch.round)
+
+
+def head_gate_partials64(x, weight, splits, round_weight) -> torch.Tensor:
+    """``[splits, M, N]`` float64: chunks of ``ceil(ceil(K / splits) / 64) * 64`` columns, the last ones short/empty."""
+    k = x.shape[1]
+    chunk = math.ceil(math.ceil(k / splits) / 64) * 64
+    x64, w64 = x.double().cpu(), head_gate_weight64(weight, round_weight)
+    return torch.stack([x64[:, s * chunk:(s + 1) * chunk] @ w64[:, s * chunk:(s + 1) * chunk].T for s in range(splits)])
+
+
+def tie_weights(rows: int, k: int, gen) -> torch.Tensor:
+    """fp32 weights whose bf16 roundings are ties or carries: low 16 bits 0x8000 (a tie when rounding W),
+    0x7FFF / 0x8001 (just off it), 0xFFFF (rounding carries into the exponent), 0x0080 / 0x0180 (``W - hi`` is a
+    tie for ``lo``), random; random signs and exponents, zeros and -0.0."""
+    high = torch.randint(0x3A00, 0x4300, (rows, k), generator=gen, dtype=torch.int32) << 16
+    signs = torch.randint(0, 2, (rows, k), generator=gen, dtype=torch.int32) << 31
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0xFFFF, 0x0080, 0x0180], dtype=torch.int32)
+    low = torch.cat([low, torch.randint(0, 0x10000, (64,), generator=gen, dtype=torch.int32)])
+    w = (high | signs | low[torch.randint(len(low), (rows, k), generator=gen)]).view(torch.float32)
+    w[0, :2] = torch.tensor([0.0, -0.0])
+    return w
+
+
+def assert_rows_close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Every row of every partial within ``rtol`` of the expected row's norm (an empty chunk's row: exactly 0)."""
+    got, want = got.cpu().double(), want.cpu().double()
+    assert got.shape == want.shape
+    assert not got.isnan().any(), "NaN in the partials (an element was not written?)"
+    err, scale = (got - want).norm(dim=-1), want.norm(dim=-1)
+    bad = (err > rtol * scale).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} rows off, first (split, row) {bad[0].tolist()}"
+
+
+WEIGHT_MODES = {"split": (torch.float32, False), "round": (torch.float32, True), "bf16": (torch.bfloat16, False)}
+
+
+@HYP
+@given(
+    rows=st.integers(0, 40),
+    cols=st.integers(1, 70),
+    k=st.integers(0, 300),
+    splits=st.integers(1, 4),
+    mode=st.sampled_from(sorted(WEIGHT_MODES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_head_gate_gemm_matches_float64(rows, cols, k, splits, mode, seed):
+    """Products of the bf16 values are exact in fp32, so each partial is off by fp32 summation alone:
+    at most about ``K * 2^-24`` times the sum of ``|x * w|``."""
+    dtype, round_weight = WEIGHT_MODES[mode]
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+    weight = (torch.randn(cols, k, generator=gen) * torch.logspace(-2, 2, cols)[:, None]).to(dtype)
+    got = torch.ops.nsa.head_gate_gemm(x, weight, splits, round_weight)
+    assert got.shape == (splits, rows, cols) and got.dtype == torch.float32
+    want = head_gate_partials64(x, weight, splits, round_weight)
+    magnitude = x.double().abs() @ head_gate_weight64(weight, round_weight).abs().T
+    slack = (k + splits) * 2.0**-24
+    assert ((got.double() - want).abs() <= slack * magnitude).all()
+    assert ((got.double().sum(0) - want.sum(0)).abs() <= slack * magnitude).all()
+
+
+@pytest.mark.parametrize("k, splits, empty", [(65, 4, [2, 3]), (130, 3, []), (64, 4, [1, 2, 3]), (0, 2, [0, 1])])
+def test_head_gate_gemm_chunks(k, splits, empty):
+    """Chunks are multiples of 64 columns; the ones past K hold zeros."""
+    gen = torch.Generator().manual_seed(k)
+    x, weight = torch.randn(3, k, generator=gen).bfloat16(), torch.randn(5, k, generator=gen)
+    got = torch.ops.nsa.head_gate_gemm(x, weight, splits, False)
+    assert torch.equal(got[empty], torch.zeros(len(empty), 3, 5))
+    assert_rows_close(got, head_gate_partials64(x, weight, splits, False))
+
+
+@pytest.mark.parametrize("round_weight", [False, True])
+def test_head_gate_gemm_weight_rounding_is_exact(round_weight):
+    """x = identity: every output is one weight as the op sees it (hi + lo, or bf16(W)), ties and carries included."""
+    gen = torch.Generator().manual_seed(5)
+    weight = tie_weights(6, 200, gen)
+    got = torch.ops.nsa.head_gate_gemm(torch.eye(200).bfloat16(), weight, 3, round_weight).sum(0)
+    assert torch.equal(got.double(), head_gate_weight64(weight, round_weight).T)
+
+
+def test_head_gate_gemm_round_weight_needs_fp32_weight():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, weight, weight32 = torch.zeros(2, 64).bfloat16(), torch.zeros(3, 64).bfloat16(), torch.zeros(3, 64)
+    with pytest.raises(ValueError, match=r"round_weight needs a float32 weight .* got bfloat16 \[3, 64\]"):
+        torch.ops.nsa.head_gate_gemm(x, weight, 1, True)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"splits must be >= 1, got 0"):
+        torch.ops.nsa.head_gate_gemm(mode.from_tensor(x), mode.from_tensor(weight32), 0, False)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"round_weight needs a float32 weight"):
+        torch.ops.nsa.head_gate_gemm(mode.from_tensor(x), mode.from_tensor(weight), 1, True)

@@ -6,6 +6,7 @@ README.md, section head_gate_gemm (measured on the small configs, CPU).
 
 import contextlib
 import functools
+import re
 import sys
 
 import pytest
@@ -64,6 +65,10 @@ def batch_for(config, entry):
     return prefill_batch(config, LAYOUT, [9, 17, 1, 40], padding_tokens=3, seed=3)
 
 
+def gemms(source):
+    return count_ops(source, "aten.mm") + count_ops(source, "aten.addmm")
+
+
 def numerics(eager_logits, eager_topk, logits, topk):
     """Relative (norm-wise) logits error over finite entries, -inf masks, and top-k set agreement per row."""
     finite = ~eager_logits.isneginf()
@@ -108,9 +113,14 @@ def test_fires_and_numerics_within_bound(which, config_name, entry, mode):
     report = pass_entry(graph_dir, "head_gate_gemm")
     before, after = pass_graphs(graph_dir, "head_gate_gemm")
     assert report["matched"] == 1, report
-    # the weight is cast to bf16 once (hi, and in split mode lo = bf16(W - hi), concatenated)
-    assert after.count("torch.bfloat16)") > before.count("torch.bfloat16)")
-    assert count_ops(after, "aten.cat") == count_ops(before, "aten.cat") + (mode == "split")
+    # one nsa.head_gate_gemm replaces the fp32 GEMM; W is split (or rounded) inside it: no bf16 copy of W, no cat
+    assert count_ops(before, "nsa.head_gate_gemm") == 0
+    assert count_ops(after, "nsa.head_gate_gemm") == 1
+    assert gemms(after) == gemms(before) - 1
+    assert count_ops(after, "aten.cat") == count_ops(before, "aten.cat")
+    assert after.count("torch.bfloat16)") == before.count("torch.bfloat16)")
+    # the small configs' K (hidden_size 256) gives one split
+    assert re.search(rf"nsa\.head_gate_gemm\.default\(\w+, \w+, 1, {mode == 'round'}\)", after)
     if which == "other":
         # its Hadamard rotation is F.linear(x.float(), H) on a buffer, rounded to bf16 afterwards: kept exact
         assert any("rounded to torch.bfloat16 downstream" in m["reason"] for m in report["near_misses"]), report
@@ -185,7 +195,9 @@ def test_spellings(spelling, expect):
         expected, actual = module(x, w_act), compiled_fn(x, w_act)
     (graph_dir,) = graph_dirs(dump_dir)
     report = pass_entry(graph_dir, "head_gate_gemm")
+    _, after = pass_graphs(graph_dir, "head_gate_gemm")
     rel = float((actual - expected).double().norm() / expected.double().norm())
+    assert count_ops(after, "nsa.head_gate_gemm") == (expect is None)
     if expect is None:
         assert report["matched"] == 1, report
         # split mode: W is kept to ~16 mantissa bits; the bf16 GEMM spelling loses its bf16 output rounding
@@ -194,6 +206,73 @@ def test_spellings(spelling, expect):
         assert report["matched"] == 0
         assert any(expect in m["reason"] for m in report["near_misses"]), report
         assert rel <= 1e-6, rel
+
+
+class WideGate(nn.Module):
+    """A head gate with a large K: the op's split-K partials are added back in the graph."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.proj = nn.Linear(k, 16, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, x, q_scale):
+        return F.linear(x.float(), self.proj.weight) * 16**-0.5 * q_scale
+
+
+@pytest.mark.parametrize("k, splits", [(1000, 1), (3000, 2), (5000, 4), (9000, 4)])
+def test_split_k_partials_are_added_pointwise(k, splits):
+    torch.manual_seed(0)
+    module = WideGate(k)
+    nn.init.normal_(module.proj.weight, std=k**-0.5)
+    x, q_scale = torch.randn(5, k).to(torch.bfloat16), torch.rand(5, 16)
+    compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF)
+    with torch.no_grad():
+        expected, actual = module(x, q_scale), compiled_fn(x, q_scale)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "head_gate_gemm")["matched"] == 1
+    before, after = pass_graphs(graph_dir, "head_gate_gemm")
+    assert re.search(rf"nsa\.head_gate_gemm\.default\(\w+, \w+, {splits}, False\)", after), after
+    assert count_ops(after, "aten.select") - count_ops(before, "aten.select") == splits
+    assert count_ops(after, "aten.add") - count_ops(before, "aten.add") == splits - 1
+    assert float((actual - expected).double().norm() / expected.double().norm()) <= 1e-5
+
+
+def test_dynamic_rows():
+    """A symbolic M (token count) reaches the op as is; only K, static, decides the splits."""
+    torch.manual_seed(0)
+    module = WideGate(3000)
+    compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF, dynamic=True)
+    for rows in (5, 9, 0):
+        x, q_scale = torch.randn(rows, 3000).to(torch.bfloat16), torch.rand(rows, 16)
+        with torch.no_grad():
+            expected, actual = module(x, q_scale), compiled_fn(x, q_scale)
+        assert actual.shape == (rows, 16)
+        assert float((actual - expected).double().norm()) <= 1e-5 * float(expected.double().norm())
+    for graph_dir in graph_dirs(dump_dir):
+        assert pass_entry(graph_dir, "head_gate_gemm")["matched"] == 1
+        _, after = pass_graphs(graph_dir, "head_gate_gemm")
+        assert re.search(r"nsa\.head_gate_gemm\.default\(\w+, \w+, 2, False\)", after), after
+
+
+def test_frozen_weight_is_used_as_is():
+    """With freezing the weight is a ``get_attr`` constant (Inductor folds ``W^T``): the op reads it through a
+    transposed view; nothing is split or copied at compile time. (CPU weight prepacking would replace the GEMM.)"""
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(0)
+    module = WideGate(3000)
+    nn.init.normal_(module.proj.weight, std=3000**-0.5)
+    x, q_scale = torch.randn(5, 3000).to(torch.bfloat16), torch.rand(5, 16)
+    with inductor_config.patch({"freezing": True, "cpp.weight_prepack": False}), torch.no_grad():
+        compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF)
+        expected, actual = module(x, q_scale), compiled_fn(x, q_scale)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "head_gate_gemm")["matched"] == 1
+    before, after = pass_graphs(graph_dir, "head_gate_gemm")
+    assert count_ops(after, "nsa.head_gate_gemm") == 1
+    assert re.findall(r"self\.\w+", after) == re.findall(r"self\.\w+", before), "no new constant"
+    assert float((actual - expected).double().norm() / expected.double().norm()) <= 1e-5
 
 
 if __name__ == "__main__":

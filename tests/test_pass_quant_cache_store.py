@@ -189,3 +189,42 @@ def test_a_scale_that_is_not_one_per_row_does_not_fire():
     entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
     assert entry["matched"] == 0
     assert "scale is not one per block" in entry["near_misses"][0]["reason"]
+
+
+def rotated_store(y, slots, cache, dtype=torch.bfloat16):
+    """``rotate_activation``'s epilogue in front of act_quant: the op takes ``y`` and scales and rounds it itself."""
+    reference_store(LAYOUTS["paged"])((y * 128**-0.5).to(dtype), slots, cache)
+
+
+def rotated_store_fp16(y, slots, cache):
+    rotated_store(y, slots, cache, torch.float16)
+
+
+def rotated_store_returning_k(y, slots, cache):
+    """The rounded K is also an output: it is computed anyway, so the op takes it as it is."""
+    k = (y * 128**-0.5).to(torch.bfloat16)
+    reference_store(LAYOUTS["paged"])(k, slots, cache)
+    return k
+
+
+@pytest.mark.parametrize("fn, input_dtype", [(rotated_store, "torch.bfloat16"), (rotated_store_fp16, "torch.float16"),
+                                             (rotated_store_returning_k, None)])
+def test_the_rotation_epilogue_moves_into_the_op(fn, input_dtype):
+    gen = torch.Generator().manual_seed(11)
+    y = torch.randn(12, 128, generator=gen) * torch.rand(12, 1, generator=gen) * 40
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[:12]
+    slots[::5] = -1
+    layout = LAYOUTS["paged"]
+    cache = torch.randint(0, 256, (layout.num_pages(NUM_SLOTS), layout.page_bytes), dtype=torch.uint8, generator=gen)
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    eager_out, out = fn(y, slots, eager_cache), compiled_fn(y, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    assert eager_out is None and out is None or torch.equal(eager_out, out)
+    _, after = pass_graphs(graph_dirs(dump_dir)[0], "quant_cache_store")
+    (store,) = [line for line in after.splitlines() if "nsa.quant_cache_store" in line]
+    if input_dtype:
+        assert f"input_scale = 0.08838834764831845, input_dtype = {input_dtype}" in store
+        assert count_ops(after, "aten.mul") == 0 and count_ops(after, "prims.convert_element_type") == 0
+    else:
+        assert "input_scale" not in store and count_ops(after, "aten.mul") == 1

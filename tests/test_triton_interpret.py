@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from hypothesis import given
-from test_ops_reference import FN, FNUZ, HYP, TOPK_CASES, adversarial_k, assert_logits_close, eager_topk_rows, \
-    paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, topk_case
+from test_ops_reference import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, assert_logits_close, \
+    assert_rows_close, eager_topk_rows, head_gate_weight64, paged_logits64, random_cache, random_fp8, \
+    random_paged_cache, ragged_logits64, tie_weights, topk_case
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
@@ -63,6 +64,28 @@ def test_quant_cache_store_bytes_match_reference(layout, scale_fmt, dtype):
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, page_size, preshuffle, scale_fmt, dtype)
     tk.quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
+    assert torch.equal(cache, want)
+
+
+@child_only
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16, None])
+@pytest.mark.parametrize("input_scale", [128**-0.5, 1.0])
+def test_quant_cache_store_input_epilogue_matches_reference(input_dtype, input_scale):
+    """Random rows plus rows whose low 16 bits are a bf16 tie (0x8000) or just off it."""
+    from nsa_inductor.lowering import reference
+
+    gen = torch.Generator().manual_seed(9)
+    random_rows = torch.randn(8, 128, generator=gen) * torch.logspace(-3, 3, 8)[:, None]
+    high = torch.randint(0x3900, 0x4700, (3, 128), generator=gen, dtype=torch.int32) << 16  # fp16 normal range
+    signs = torch.randint(0, 2, (3, 128), generator=gen, dtype=torch.int32) << 31
+    ties = (high | signs | torch.tensor([0x8000, 0x7FFF, 0x8001], dtype=torch.int32)[:, None]).view(torch.float32)
+    y = torch.cat([random_rows, ties])
+    slots = torch.randperm(32, generator=gen)[:11]
+    slots[4] = -1
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    reference.quant_cache_store(y, want, slots, 16, False, "ue8m0", FN, input_scale, input_dtype)
+    _kernels().quant_cache_store(y, cache, slots, 16, False, "ue8m0", FN, input_scale, input_dtype)
     assert torch.equal(cache, want)
 
 
@@ -143,3 +166,44 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
     logits, k, lengths, offset = topk_case(rows, cols * 20, k_frac, inf, with_lengths, with_offset, seed)
     got = _kernels().topk_indices(logits, k, lengths, offset)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+@child_only
+@pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
+@pytest.mark.parametrize("rows, cols, k, splits", [(1, 64, 448, 4), (0, 32, 128, 2), (17, 33, 130, 3),
+                                                   (40, 20, 65, 4), (70, 64, 1000, 1)])
+@pytest.mark.parametrize("config", [None, (64, 32, 3)])
+def test_head_gate_gemm_matches_reference(rows, cols, k, splits, mode, config):
+    """Ragged M/N/K edges, chunks past K (empty: zeros), every element written (NaN-poisoned output); the default
+    tiling for these sizes and the large-M one."""
+    from nsa_inductor.lowering import reference
+
+    tk = _kernels()
+    dtype, round_weight = WEIGHT_MODES[mode]
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weight = (torch.randn(cols, k, generator=gen) * torch.logspace(-2, 2, cols)[:, None]).to(dtype)
+    out = torch.full((splits, rows, cols), float("nan"))
+    got = tk.head_gate_gemm(x, weight, splits, round_weight, out=out, config=config and tk.HeadGateConfig(*config))
+    assert_rows_close(got, reference.head_gate_gemm(x, weight, splits, round_weight))
+
+
+@child_only
+@pytest.mark.parametrize("round_weight", [False, True])
+def test_head_gate_gemm_weight_rounding_is_exact(round_weight):
+    """x = identity: each output is one weight as the kernel split or rounded it, ties and carries included."""
+    weight = tie_weights(20, 70, torch.Generator().manual_seed(6))
+    got = _kernels().head_gate_gemm(torch.eye(70).bfloat16(), weight, 2, round_weight).sum(0)
+    assert torch.equal(got.double(), head_gate_weight64(weight, round_weight).T)
+
+
+@child_only
+def test_head_gate_gemm_strided_operands():
+    """A transposed weight view (a frozen model's folded ``W^T``) and a strided x are read in place."""
+    from nsa_inductor.lowering import reference
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(200, 24, generator=gen).bfloat16().t()
+    weight = torch.randn(200, 40, generator=gen).t()
+    got = _kernels().head_gate_gemm(x, weight, 3, False)
+    assert_rows_close(got, reference.head_gate_gemm(x, weight, 3, False))

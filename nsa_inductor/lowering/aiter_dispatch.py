@@ -28,6 +28,7 @@ import torch
 
 from ..layout import HEAD_DIM, TOKEN_BYTES
 from ..quant import QUANT_BLOCK
+from .reference import scaled_input
 
 
 def _import_first(*names: str):
@@ -66,9 +67,11 @@ def _kv_cache(cache: torch.Tensor, page_size: int, fp8_dtype: torch.dtype, *extr
     return cache.view(fp8_dtype).view(cache.shape[0], page_size, *extra, TOKEN_BYTES)
 
 
-def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype) -> None:
+def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
+                      input_dtype=None) -> None:
+    """aiter quantizes the values as given: the input epilogue runs in torch before it."""
     _cache_ops().indexer_k_quant_and_cache(
-        k, _kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(), QUANT_BLOCK, scale_fmt,
+        scaled_input(k, input_scale, input_dtype), _kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(), QUANT_BLOCK, scale_fmt,
         **_preshuffle_kwarg(preshuffle),
     )
 

@@ -22,6 +22,7 @@ log = logging.getLogger("nsa_inductor")
 
 _INT_TYPES = (torch.int32, torch.int64)
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,10 +61,13 @@ def _check_devices(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
-def _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype) -> None:
+def _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype
+                                ) -> None:
     check_scale_fmt(scale_fmt)
     _check_fp8("fp8_dtype", fp8_dtype)
     _check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
+    if input_dtype is not None and input_dtype not in _ROUNDED_K_DTYPES:
+        raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
     _check("slot_mapping", slot_mapping, (k.shape[0],), _INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
     _check_layout(cache, page_size, preshuffle)
     _check_devices(k=k, cache=cache, slot_mapping=slot_mapping)
@@ -118,6 +122,17 @@ def _validate_topk(logits, k, lengths, offset) -> None:
     if offset is not None:
         _check("offset", offset, (rows,), _INT_TYPES, f"[R={rows}]")
     _check_devices(logits=logits, **{n: t for n, t in (("lengths", lengths), ("offset", offset)) if t is not None})
+
+
+def _validate_head_gate_gemm(x, weight, splits, round_weight) -> None:
+    _check("x", x, (None, None), (torch.bfloat16,), "[M, K]")
+    k = x.shape[1]
+    _check("weight", weight, (None, k), (torch.float32, torch.bfloat16), f"[N, K={k}]")
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    if round_weight and weight.dtype != torch.float32:
+        raise ValueError(f"round_weight needs a float32 weight (a bfloat16 one is used as is), got {_describe(weight)}")
+    _check_devices(x=x, weight=weight)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,17 +195,23 @@ def quant_cache_store(
     preshuffle: bool,
     scale_fmt: str,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    input_scale: float = 1.0,
+    input_dtype: torch.dtype | None = None,
 ) -> None:
-    """``act_quant(k)`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped)."""
-    _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
+    """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
+
+    ``k' = k * input_scale`` in fp32, rounded to ``input_dtype`` when given: the epilogue of the Hadamard rotation
+    (``(x @ H * 128**-0.5).to(bf16)``), which then needs no kernel of its own."""
+    _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)
     k, slot_mapping = _contiguous(k, slot_mapping)
     run = _implementation("quant_cache_store", k.device, fp8_dtype)
-    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
+    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype)
 
 
 @quant_cache_store.register_fake
-def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn):
-    _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype)
+def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
+      input_dtype=None):
+    _validate_quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)
 
 
 @torch.library.custom_op("nsa::gather_k", mutates_args=())
@@ -282,3 +303,22 @@ def topk_indices(
 def _(logits, k, lengths=None, offset=None):
     _validate_topk(logits, k, lengths, offset)
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
+@torch.library.custom_op("nsa::head_gate_gemm", mutates_args=())
+def head_gate_gemm(x: torch.Tensor, weight: torch.Tensor, splits: int, round_weight: bool) -> torch.Tensor:
+    """Split-K partial products ``[splits, M, N]`` fp32 of ``x [M, K] bf16 @ weight [N, K]^T``; their sum over dim 0
+    is the GEMM. An fp32 weight enters as ``hi + lo`` (two bf16 halves, ~16 bits of W) or, with ``round_weight``, as
+    ``bf16(W)``; the chunking and numerics are ``reference.head_gate_gemm``'s."""
+    _validate_head_gate_gemm(x, weight, splits, round_weight)
+    if x.device.type != "cpu" and capability().use_triton:
+        from . import triton_kernels
+
+        return triton_kernels.head_gate_gemm(x, weight, splits, round_weight)
+    return reference.head_gate_gemm(x, weight, splits, round_weight)
+
+
+@head_gate_gemm.register_fake
+def _(x, weight, splits, round_weight):
+    _validate_head_gate_gemm(x, weight, splits, round_weight)
+    return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)

@@ -23,10 +23,20 @@ def quant_cache_store(
     preshuffle: bool,
     scale_fmt: str,
     fp8_dtype: torch.dtype,
+    input_scale: float = 1.0,
+    input_dtype: torch.dtype | None = None,
 ) -> None:
-    """``act_quant`` each row of ``k`` and write values + scale into ``cache`` at its slot (negative = skip)."""
-    values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
+    """``act_quant`` each row of ``k'`` and write values + scale into ``cache`` at its slot (negative = skip)."""
+    values, scale = act_quant(scaled_input(k, input_scale, input_dtype), QUANT_BLOCK, scale_fmt, fp8_dtype)
     KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))
+
+
+def scaled_input(k: torch.Tensor, input_scale: float, input_dtype: torch.dtype | None) -> torch.Tensor:
+    """``k * input_scale`` in fp32, rounded to ``input_dtype`` when given; ``k`` itself when there is nothing to do."""
+    if input_scale == 1.0 and input_dtype in (None, k.dtype):
+        return k
+    scaled = k.float() * input_scale
+    return scaled if input_dtype is None else scaled.to(input_dtype)
 
 
 def _slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -139,3 +149,38 @@ def topk_indices(
     if offset is not None:
         indices = indices - offset[:, None]
     return indices.masked_fill(values == float("-inf"), -1).to(torch.int32)
+
+
+# Split-K chunks of ``nsa.head_gate_gemm`` start on multiples of the Triton kernel's K tile.
+HEAD_GATE_K_ALIGN = 64
+
+
+def head_gate_chunk(k: int, splits: int) -> int:
+    """Columns of K in each of ``splits`` chunks: ``ceil(K / splits)`` rounded up to a multiple of 64 (the last
+    chunks may be short or empty)."""
+    per_split = -(-k // splits)
+    return -(-per_split // HEAD_GATE_K_ALIGN) * HEAD_GATE_K_ALIGN
+
+
+def head_gate_weight(weight: torch.Tensor, round_weight: bool) -> torch.Tensor:
+    """The fp32 values ``nsa.head_gate_gemm`` multiplies by. A bf16 weight as is; an fp32 one rounded to bf16
+    (``round_weight``), or split into ``hi`` (W with its low 16 bits cleared, exactly a bf16) plus
+    ``lo = bf16(W - hi)`` (nearest even): two bf16 values whose sum is exact in fp32 (~16 significant bits of W)."""
+    if weight.dtype == torch.bfloat16:
+        return weight.float()
+    if round_weight:
+        return weight.to(torch.bfloat16).float()
+    hi = (weight.view(torch.int32) & -65536).view(torch.float32)
+    return hi + (weight - hi).to(torch.bfloat16).float()
+
+
+def head_gate_gemm(x: torch.Tensor, weight: torch.Tensor, splits: int, round_weight: bool) -> torch.Tensor:
+    """``[splits, M, N]`` fp32: partial ``s`` is ``x[:, chunk s] @ w[:, chunk s]^T`` over the K columns
+    ``[s * chunk, (s + 1) * chunk)`` (zero where that range is empty), ``w`` from ``head_gate_weight``. K is padded
+    with zeros to ``splits * chunk`` so that every chunk is one slice of a ``[.., splits, chunk]`` view."""
+    rows, k = x.shape
+    chunk = head_gate_chunk(k, splits)
+    pad = splits * chunk - k
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(rows, splits, chunk)
+    w = torch.nn.functional.pad(head_gate_weight(weight, round_weight), (0, pad)).view(weight.shape[0], splits, chunk)
+    return torch.einsum("msc,nsc->smn", xf, w).contiguous()  # the layout the fake (and Inductor) assume

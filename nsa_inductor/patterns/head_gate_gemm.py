@@ -7,21 +7,25 @@ Eager spellings (post-grad form after the arrow)::
     F.linear(x.float(), W32, b32)       -> addmm(b32, convert(x_bf16, f32), permute(W32, [1, 0]))
     F.linear(x, W16).float()            -> convert(mm(x_bf16, permute(W16, [1, 0])), f32)
 
-Rewrite: one ``aten.mm.dtype(x_bf16, B_bf16, float32)`` (bf16 inputs, fp32 accumulation and output, no cast
-kernel of x). For an fp32 weight the default mode "split" uses ``B = cat([hi, lo])^T`` with ``hi`` = W with its low
-16 bits cleared and ``lo = bf16(W - hi)``, and adds the two output halves in fp32 (fused into the scale chain): about
-16 significant bits of W, ~5e-6 relative logits error. Mode "round" (``HeadGateGemm("round")``) uses ``bf16(W)``:
-half the weight bytes but 1.0e-3 to 1.7e-3 relative logits error, over DESIGN's contract (see README).
-``aten.mm.dtype`` exists for CUDA/ROCm (and XPU) only; on other devices (CPU) the same numbers are computed as an
-fp32 ``mm`` of the bf16 operands (a product of two bf16 values is exact in fp32; only summation order differs).
+Rewrite: ``p = nsa.head_gate_gemm(x_bf16, W, splits, mode == "round")``, split-K partial products
+``[splits, M, N]`` (bf16 inputs, fp32 accumulation; no cast kernel of x), then ``p[0] + p[1] + ...`` as explicit
+pointwise adds, which Inductor fuses into the scale chain's kernel after the GEMM. For an fp32 weight the default mode
+"split" multiplies by ``hi + lo`` with ``hi`` = W with its low 16 bits cleared and ``lo = bf16(W - hi)``: about 16
+significant bits of W, ~5e-6 relative logits error. The split happens in the op's Triton kernel, in registers, as it
+reads W: one launch per call, where a split kernel in the graph plus cuBLAS's split-K GEMM (GEMM and reduction) took
+three. Mode "round" (``HeadGateGemm("round")``) uses ``bf16(W)``: 1.0e-3 to 1.7e-3 relative logits error, over
+DESIGN's contract (see README). A bf16 weight (``F.linear(x, W16).float()``) is used as is. ``splits`` comes from
+the static K alone, at most 4, so that the consumer kernel reading every partial stays under Inductor's
+``realize_acc_reads_threshold`` (8 reads). On CPU the op runs its torch reference (the same products in fp32).
 
-The weight ``W`` must be module state: a ``get_attr`` constant (frozen; its bf16 copy is made once here), or a
-graph input that AOTAutograd lists as a static input (``TracingContext.fw_metadata.static_input_indices``:
-parameters, buffers, ``mark_static_address`` tensors; Dynamo does not tell parameters from buffers at this stage).
+The weight ``W`` must be module state: a ``get_attr`` constant (frozen), or a graph input that AOTAutograd lists as
+a static input (``TracingContext.fw_metadata.static_input_indices``: parameters, buffers, ``mark_static_address``
+tensors; Dynamo does not tell parameters from buffers at this stage).
 An activation weight is never rounded. The fp32 result must not be rounded to bf16/fp16/fp8 downstream: there
 (e.g. a Hadamard rotation spelled ``F.linear(x.float(), H)`` that feeds act_quant and the K cache) the exact
 eager bytes matter more than the GEMM, and the fp32 GEMM is kept. Every failed check is a near miss.
-The pointwise scale chain after the GEMM is not touched; Inductor fuses it into one kernel after the extern GEMM.
+The pointwise scale chain after the GEMM is not touched; Inductor fuses it (with the partials' sum) into one kernel
+after the op.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ prims = torch.ops.prims
 _LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                   torch.float8_e5m2fnuz}
 _DOWNSTREAM_LIMIT = 20000
+# Split-K of the op: one split per 1024 columns of K, at most 4 (the consumer kernel reads every partial; with the
+# scale chain's own inputs it must stay under Inductor's realize_acc_reads_threshold of 8 reads).
+_K_PER_SPLIT = 1024
+_MAX_SPLITS = 4
 
 
 def static_inputs(graph: torch.fx.Graph) -> set[torch.fx.Node] | None:
@@ -91,6 +99,23 @@ def _replay(graph: torch.fx.Graph, start: torch.fx.Node, views: list[torch.fx.No
     return start
 
 
+def _quantized_by_store(node: torch.fx.Node) -> bool:
+    """``nsa.quant_cache_store`` (inserted by an earlier pass) rounds its input to bf16 and fp8 itself."""
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized
+            and str(node.args[0]) == "nsa.quant_cache_store.default")
+
+
+def _head_gate_op() -> torch._ops.OpOverload:
+    from ..lowering import ops  # noqa: F401  registers torch.ops.nsa
+
+    return torch.ops.nsa.head_gate_gemm.default
+
+
+def _weight_rows(graph: torch.fx.Graph, b: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
+    """The weight as ``[N, K]`` (the op's layout): ``w`` itself under ``b = permute(w)``, else a transposed view."""
+    return w if b is not w else insert_call(graph, aten.permute.default, (w, [1, 0]))
+
+
 def _rounded_downstream(node: torch.fx.Node) -> str | None:
     """Why ``node``'s fp32 value may reach a low-precision cast, or ``None`` once proven that it never does.
 
@@ -101,6 +126,8 @@ def _rounded_downstream(node: torch.fx.Node) -> str | None:
         for user in queue.popleft().users:
             if is_op(user, prims.convert_element_type.default) and user.args[1] in _LOW_PRECISION:
                 return f"rounded to {user.args[1]} downstream by {describe(user)}"
+            if _quantized_by_store(user):
+                return f"quantized to fp8 downstream by {describe(user)}"
             if user not in seen:
                 if len(seen) >= _DOWNSTREAM_LIMIT:
                     return f"consumed by more than {_DOWNSTREAM_LIMIT} nodes, not proven to stay fp32"
@@ -124,9 +151,9 @@ def _transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
 
 
 class HeadGateGemm:
-    """``mode="split"`` (default): W32 = W_hi + W_lo with both halves bf16 (one GEMM over the concatenated halves,
-    ~16 mantissa bits of W kept; stays inside DESIGN's 1e-3 logits contract). ``mode="round"``: W rounded to bf16
-    (half the weight bytes; 1.0e-3 to 1.7e-3 relative logits error measured, over the contract)."""
+    """``mode="split"`` (default): W32 = W_hi + W_lo with both halves bf16 (split in the GEMM kernel, ~16 mantissa
+    bits of W kept; stays inside DESIGN's 1e-3 logits contract). ``mode="round"``: W rounded to bf16 in the kernel
+    (1.0e-3 to 1.7e-3 relative logits error measured, over the contract)."""
 
     name = "head_gate_gemm"
 
@@ -169,48 +196,17 @@ class HeadGateGemm:
             return f"weight {describe(w)} is a non-parameter graph input (an activation); rounding it is not allowed"
         return None
 
-    def _bf16_weight(self, graph: torch.fx.Graph, w: torch.fx.Node, cat_dim: int) -> torch.fx.Node:
-        """``W`` as bf16: ``bf16(W)`` (mode "round"), or ``cat([hi, lo], cat_dim)`` with ``W ~= hi + lo`` (mode
-        "split"). A frozen constant (``get_attr``) is split once at compile time with ``hi = bf16(W)`` (rounded);
-        a graph input is split per call with ``hi`` = W truncated to bf16 (see below). Both keep ~16 bits of W."""
-        gm = graph.owning_module
-        fake = tensor_val(w)
-        if w.op == "get_attr" and gm is not None:
-            real = getattr(gm, str(w.target), None)
-            if isinstance(real, torch.Tensor) and not isinstance(real, torch._subclasses.FakeTensor):
-                real = real.detach()
-                folded = real.to(torch.bfloat16)
-                if self.mode == "split":
-                    folded = torch.cat([folded, (real - folded.float()).to(torch.bfloat16)], cat_dim)
-                name = f"{str(w.target).replace('.', '_')}_nsa_{self.mode}_bf16"
-                setattr(gm, name, folded)
-                node = graph.get_attr(name)
-                with torch._guards.detect_fake_mode([fake]):
-                    node.meta["val"] = torch.empty_strided(folded.shape, folded.stride(), dtype=folded.dtype,
-                                                           device=fake.device)
-                return node
-        if self.mode != "split":
-            return insert_call(graph, prims.convert_element_type.default, (w, torch.bfloat16))
-        # hi = W with its low 16 bits cleared (exactly representable in bf16), lo = bf16(W - hi). Not
-        # ``bf16(W)`` and ``W - f32(bf16(W))``: Inductor's fused GPU kernels drop the rounding of a bf16 round-trip
-        # (they compute in fp32), which would make lo zero. Bit operations are never simplified away.
-        bits = insert_call(graph, aten.view.dtype, (w, torch.int32))
-        hi32 = insert_call(graph, aten.view.dtype,
-                           (insert_call(graph, aten.bitwise_and.Scalar, (bits, -65536)), torch.float32))
-        hi = insert_call(graph, prims.convert_element_type.default, (hi32, torch.bfloat16))
-        lo = insert_call(graph, prims.convert_element_type.default,
-                         (insert_call(graph, aten.sub.Tensor, (w, hi32)), torch.bfloat16))
-        return insert_call(graph, aten.cat.default, ([hi, lo], cat_dim))
-
     @staticmethod
-    def _gemm(graph, a_bf16: torch.fx.Node, b_bf16: torch.fx.Node, a_f32: torch.fx.Node | None) -> torch.fx.Node:
-        """bf16 x bf16 -> fp32. ``a_f32``: the already existing fp32 copy of ``a`` (CPU path reuses it)."""
-        if device_has_mm_dtype(tensor_val(a_bf16).device):
-            return insert_call(graph, aten.mm.dtype, (a_bf16, b_bf16, torch.float32))
-        if a_f32 is None:
-            a_f32 = insert_call(graph, prims.convert_element_type.default, (a_bf16, torch.float32))
-        b_f32 = insert_call(graph, prims.convert_element_type.default, (b_bf16, torch.float32))
-        return insert_call(graph, aten.mm.default, (a_f32, b_f32))
+    def _split_k_gemm(graph: torch.fx.Graph, x: torch.fx.Node, w_rows: torch.fx.Node, round_weight: bool,
+                      k: int) -> torch.fx.Node:
+        """``x [M, K] bf16 @ w_rows [N, K]^T`` in fp32: ``nsa.head_gate_gemm``'s partials summed by pointwise adds
+        (not a reduction: Inductor fuses the adds into the consumer kernel instead of launching one of its own)."""
+        splits = max(1, min(_MAX_SPLITS, k // _K_PER_SPLIT))
+        partials = insert_call(graph, _head_gate_op(), (x, w_rows, splits, round_weight))
+        total = insert_call(graph, aten.select.int, (partials, 0, 0))
+        for s in range(1, splits):
+            total = insert_call(graph, aten.add.Tensor, (total, insert_call(graph, aten.select.int, (partials, 0, s))))
+        return total
 
     def _upcast_gemm(self, graph: torch.fx.Graph, mm: torch.fx.Node) -> str | None | bool:
         """``mm(convert(x_bf16, f32), W32^T)`` (or addmm). ``False``: not this idiom at all (no report)."""
@@ -244,20 +240,12 @@ class HeadGateGemm:
         if rounded is not None:
             return (f"the fp32 GEMM output is {rounded} (e.g. a Hadamard rotation feeding act_quant): keeping the "
                     "exact fp32 GEMM")
-        cat_dim = 1 if b is w else 0  # W's output-feature dim
-        n = as_int(tw.shape[cat_dim])
-        if self.mode == "split" and n is None:
-            return f"weight {describe(w)} has a symbolic output size {tw.shape[cat_dim]}"
+        k = as_int(tb.shape[0])
+        if k is None:
+            return f"weight {describe(w)} has a symbolic input size {tb.shape[0]}"
         with graph.inserting_before(mm):
-            w_bf16 = self._bf16_weight(graph, w, cat_dim)
-            b_new = w_bf16 if b is w else insert_call(graph, b.target, (w_bf16, *b.args[1:]), dict(b.kwargs))
-            if device_has_mm_dtype(ta.device):
-                new = self._gemm(graph, _replay(graph, x, views), b_new, None)
-            else:
-                new = self._gemm(graph, x, b_new, a)  # ``a`` already holds x in fp32 with the right shape
-            if self.mode == "split":  # x @ W_hi + x @ W_lo, added in fp32 (fuses into the scale chain)
-                new = insert_call(graph, aten.add.Tensor, (insert_call(graph, aten.slice.Tensor, (new, 1, 0, n)),
-                                                           insert_call(graph, aten.slice.Tensor, (new, 1, n, 2 * n))))
+            x_2d = _replay(graph, x, views)
+            new = self._split_k_gemm(graph, x_2d, _weight_rows(graph, b, w), self.mode == "round", k)
             if is_addmm:
                 new = insert_call(graph, aten.add.Tensor, (new, mm.args[0]))
         mm.replace_all_uses_with(new)
@@ -287,16 +275,14 @@ class HeadGateGemm:
         rounded = _rounded_downstream(cvt)
         if rounded is not None:
             return f"the fp32 result is {rounded}: keeping the eager bf16 GEMM"
+        k = as_int(ta.shape[1])
+        if k is None:
+            return f"weight {describe(w)} has a symbolic input size {ta.shape[1]}"
         with graph.inserting_before(cvt):
-            new = _replay(graph, self._gemm(graph, a, b, None), views)
+            new = _replay(graph, self._split_k_gemm(graph, a, _weight_rows(graph, b, w), False, k), views)
         cvt.replace_all_uses_with(new)
         erase_dead(graph, [cvt])
         return None
-
-
-def device_has_mm_dtype(device: torch.device) -> bool:
-    """``aten.mm.dtype`` (bf16 inputs, fp32 output) has kernels for CUDA/ROCm and XPU only."""
-    return device.type in ("cuda", "xpu") and hasattr(aten.mm, "dtype")
 
 
 PASS = HeadGateGemm()

@@ -20,6 +20,9 @@ on that ``copy_`` and proves, rather than pattern-matches, what the chain does:
   slot ``slot + num_slots`` so the op writes the same bytes.
 
 The replacement is inserted as ``auto_functionalized`` so Inductor reinplaces it: no copy of the cache remains.
+When the quantized tensor is ``(y_fp32 * c).to(bf16/fp16)`` used only here (``rotate_activation``'s epilogue), the
+op takes ``y`` with ``input_scale=c, input_dtype=...`` and does the same multiply and rounding itself, so that
+epilogue needs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -322,6 +325,7 @@ class QuantCacheStore:
 
     def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         result = PassResult()
+        stores = []
         layout = ctx.decision.layout
         for anchor in list(graph.nodes):
             if not is_op(anchor, aten.copy_.default) or anchor.args[0].op != "placeholder":
@@ -331,15 +335,19 @@ class QuantCacheStore:
             if not isinstance(cval, torch.Tensor) or cval.dtype != torch.uint8 or cval.dim() != 2:
                 continue
             try:
-                self._rewrite(graph, cache, final, layout)
+                stores.append(self._rewrite(graph, cache, final, layout))
                 result.matched += 1
             except NoMatch as reason:
                 result.miss(anchor, str(reason))
         if result.matched:
             graph.eliminate_dead_code()
+            for stored in stores:
+                _take_input_epilogue(stored)
+            graph.eliminate_dead_code()
         return result
 
-    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout) -> None:
+    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout
+                 ) -> torch.fx.Node:
         cval = val(cache)
         if not all(isinstance(size, int) for size in cval.shape):
             raise NoMatch(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
@@ -371,6 +379,21 @@ class QuantCacheStore:
                 replacement = insert_call(graph, aten.reshape.default, (replacement, list(val(final).shape)))
         # Handing the op's own output to the epilogue copy_ lets Inductor drop that copy once it reinplaces the op.
         final.replace_all_uses_with(replacement)
+        return stored
+
+
+def _take_input_epilogue(stored: torch.fx.Node) -> None:
+    """``k = convert(mul(y_fp32, c), bf16/fp16)`` read only by the store: the op computes it from ``y``."""
+    k = stored.kwargs["k"]
+    if not is_op(k, prims.convert_element_type.default) or k.args[1] not in (torch.bfloat16, torch.float16):
+        return
+    product = k.args[0]
+    if len(k.users) != 1 or not is_op(product, aten.mul.Tensor) or len(product.users) != 1:
+        return
+    y, factor = product.args
+    if isinstance(factor, torch.fx.Node) or not isinstance(factor, (int, float)) or val(y).dtype != torch.float32:
+        return
+    stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1]}
 
 
 PASS = QuantCacheStore()
