@@ -83,22 +83,26 @@ def _eager_layer_norm(enabled: bool):
     """While compiling, leave ``native_layer_norm`` undecomposed so it runs eager's kernel: Inductor's generated
     reduction sums in another order, which flips the last bf16 bit of some K values before act_quant.
 
-    The default decomposition table is edited in place for the duration (a custom table passed to ``compile_fx``
-    would make the FX graph cache bypass: its entries cannot be pickled into a cache key).
+    The default decomposition tables are edited in place for the duration (a custom table passed to ``compile_fx``
+    would make the FX graph cache bypass: its entries cannot be pickled into a cache key): the module's table and
+    the copy ``select_decomp_table`` caches on the first Inductor compile of the process, which is what Inductor
+    reads from then on (measured: after a default-Inductor compile, LayerNorm was Inductor's again).
     """
     if not enabled:
         yield
         return
-    from torch._inductor.decomposition import decompositions
+    from torch._inductor.decomposition import decompositions, select_decomp_table
 
     _layer_norm_fallback()
     op = torch.ops.aten.native_layer_norm.default
-    saved = decompositions.pop(op, None)
+    tables = list({id(table): table for table in (decompositions, select_decomp_table())}.values())
+    saved = [table.pop(op, None) for table in tables]
     try:
         yield
     finally:
-        if saved is not None:
-            decompositions[op] = saved
+        for table, entry in zip(tables, saved):
+            if entry is not None:
+                table[op] = entry
 
 
 @functools.cache

@@ -209,3 +209,23 @@ def test_rope_and_its_write_back_fuse():
     the backend's that buffer is gone: projection, fp32 copy, identity matrix and product remain."""
     assert _buffers_allocated({}) == 4
     assert _buffers_allocated({"realize_acc_reads_threshold": 8, "realize_opcount_threshold": 30}) == 5
+
+
+def _layer_norm_code(options):
+    from torch._inductor.utils import run_and_get_code
+
+    ln = torch.nn.LayerNorm(128)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        fn = torch.compile(lambda x: ln(x) * 2, backend="nsa_rocm", options=options)
+        _, (code, *_) = run_and_get_code(fn, torch.randn(4, 128))
+    return code
+
+
+def test_layer_norm_stays_eager_after_a_default_inductor_compile():
+    """Inductor caches a copy of its decomposition table on its first compile; LayerNorm must leave both."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(lambda x: torch.nn.functional.layer_norm(x, (8,)) + 1)(torch.randn(2, 8))
+    assert "aten.native_layer_norm.default(" in _layer_norm_code(None)
+    assert "aten.native_layer_norm.default(" not in _layer_norm_code({"nsa.eager_layer_norm": False})

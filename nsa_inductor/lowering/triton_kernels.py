@@ -632,7 +632,7 @@ class HeadGateConfig:
 
 def _default_head_gate_config(rows: int) -> HeadGateConfig:
     """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound)."""
-    block_m = 16 if rows <= 64 else 64
+    block_m = 16 if rows <= 16 else 32 if rows <= 64 else 64
     block_n = 32 if rows > 512 else 16
     return HeadGateConfig(block_m, block_n, 3 if rows > 2048 else 4)
 
