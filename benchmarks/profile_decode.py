@@ -1,26 +1,54 @@
-"""Where one compiled decode step spends GPU and CPU time (torch.profiler), DeepSeek-V3.2 sizes, B=64, ctx 4096.
+"""GPU time of each kernel in one compiled decode step (torch.profiler), DeepSeek-V3.2, B=64, ctx ~8192.
 
-    python benchmarks/profile_decode.py
+    python benchmarks/profile_decode.py [--steps 10]
+
+The backend is imported from whichever ``nsa_inductor`` comes first on ``PYTHONPATH``, so two versions compare in
+one process each, e.g. ``git archive <commit> nsa_inductor | tar -x -C old; PYTHONPATH=old python ...``. Steps run
+back to back (no L2 flush, no CUDA graphs): the table is device time per kernel, not the step's wall time.
 """
 
-import time
+from __future__ import annotations
+
+import argparse
+import functools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import nsa_inductor
+from nsa_inductor.backend import nsa_rocm
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch
-t0 = time.time()
-cfg = IndexerConfig.deepseek_v32(max_model_len=4096); L = KCacheLayout(64)
-m = Indexer(cfg, L).cuda(); m.reset_parameters()
-b = decode_batch(cfg, L, [4096 - i for i in range(64)], max_len=4096, device="cuda")
-f = torch.compile(m.decode, backend="nsa_rocm", options={"nsa.layout": "paged", "nsa.page_size": 64})
-with torch.no_grad():
-    for _ in range(3): f(*b.args)
-    torch.cuda.synchronize(); print("setup", time.time() - t0, flush=True)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
-        for _ in range(5): f(*b.args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    steps = parser.parse_args().steps
+    print(f"nsa_inductor from {nsa_inductor.__file__}")
+    config, layout = IndexerConfig.deepseek_v32(max_model_len=8192), KCacheLayout(64)
+    model = Indexer(config, layout).cuda()
+    model.reset_parameters()
+    batch = decode_batch(config, layout, [8192 - 8 * i for i in range(64)], max_len=8192, device="cuda")
+    options = {"nsa.layout": "paged", "nsa.page_size": 64}
+    step = torch.compile(model.decode, backend=functools.partial(nsa_rocm, options=options))
+    with torch.no_grad():
+        for _ in range(3):
+            step(*batch.args)
         torch.cuda.synchronize()
-print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-print(p.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=60))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step(*batch.args)
+            torch.cuda.synchronize()
+    total = 0.0
+    for event in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
+        if event.self_device_time_total > 0:
+            us = event.self_device_time_total / steps
+            total += us
+            print(f"{us:8.1f} us  x{event.count // steps:2d}  {event.key[:90]}")
+    print(f"total {total:.1f} us of GPU time per step")
+
+
+if __name__ == "__main__":
+    main()
