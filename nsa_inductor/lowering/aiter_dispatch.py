@@ -71,8 +71,8 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
                       input_dtype=None) -> None:
     """aiter quantizes the values as given: the input epilogue runs in torch before it."""
     _cache_ops().indexer_k_quant_and_cache(
-        scaled_input(k, input_scale, input_dtype), _kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(), QUANT_BLOCK, scale_fmt,
-        **_preshuffle_kwarg(preshuffle),
+        scaled_input(k, input_scale, input_dtype), _kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(),
+        QUANT_BLOCK, scale_fmt, **_preshuffle_kwarg(preshuffle),
     )
 
 

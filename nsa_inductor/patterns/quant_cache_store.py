@@ -391,7 +391,7 @@ def _take_input_epilogue(stored: torch.fx.Node) -> None:
     if len(k.users) != 1 or not is_op(product, aten.mul.Tensor) or len(product.users) != 1:
         return
     y, factor = product.args
-    if isinstance(factor, torch.fx.Node) or not isinstance(factor, (int, float)) or val(y).dtype != torch.float32:
+    if not isinstance(factor, (int, float)) or val(y).dtype != torch.float32:
         return
     stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1]}
 
