@@ -229,3 +229,12 @@ def test_layer_norm_stays_eager_after_a_default_inductor_compile():
         torch.compile(lambda x: torch.nn.functional.layer_norm(x, (8,)) + 1)(torch.randn(2, 8))
     assert "aten.native_layer_norm.default(" in _layer_norm_code(None)
     assert "aten.native_layer_norm.default(" not in _layer_norm_code({"nsa.eager_layer_norm": False})
+
+
+def test_compiling_leaves_the_cache_identity_unchanged():
+    """The passes keep no per-graph state on themselves: the FX-graph-cache key is the same after a compile."""
+    before = NsaPassManager(NsaOptions()).uuid()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(lambda x: x * 2 + 1, backend="nsa_rocm")(torch.ones(3))
+    assert NsaPassManager(NsaOptions()).uuid() == before

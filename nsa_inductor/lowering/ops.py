@@ -173,6 +173,15 @@ def _implementation(op: str, device: torch.device, fp8_dtype: torch.dtype):
     return getattr(module, op)
 
 
+def _triton_or_reference(op: str, device: torch.device):
+    """For the ops aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere."""
+    if device.type != "cpu" and capability().use_triton:
+        from . import triton_kernels as module
+    else:
+        module = reference
+    return getattr(module, op)
+
+
 def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
@@ -292,11 +301,8 @@ def topk_indices(
     """``[R, k]`` int32: a top-k set of each row's first ``lengths[r]`` columns (all when ``None``), as column
     minus ``offset[r]``, -1 where the value is -inf. Set semantics: the order within a row is unspecified."""
     _validate_topk(logits, k, lengths, offset)
-    if logits.device.type != "cpu" and capability().use_triton:
-        from . import triton_kernels
-
-        return triton_kernels.topk_indices(logits.contiguous(), k, *_contiguous_or_none(lengths, offset))
-    return reference.topk_indices(logits, k, lengths, offset)
+    run = _triton_or_reference("topk_indices", logits.device)
+    return run(logits.contiguous(), k, *_contiguous_or_none(lengths, offset))
 
 
 @topk_indices.register_fake
@@ -311,11 +317,7 @@ def head_gate_gemm(x: torch.Tensor, weight: torch.Tensor, splits: int, round_wei
     is the GEMM. An fp32 weight enters as ``hi + lo`` (two bf16 halves, ~16 bits of W) or, with ``round_weight``, as
     ``bf16(W)``; the chunking and numerics are ``reference.head_gate_gemm``'s."""
     _validate_head_gate_gemm(x, weight, splits, round_weight)
-    if x.device.type != "cpu" and capability().use_triton:
-        from . import triton_kernels
-
-        return triton_kernels.head_gate_gemm(x, weight, splits, round_weight)
-    return reference.head_gate_gemm(x, weight, splits, round_weight)
+    return _triton_or_reference("head_gate_gemm", x.device)(x, weight, splits, round_weight)
 
 
 @head_gate_gemm.register_fake

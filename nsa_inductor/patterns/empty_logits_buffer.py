@@ -33,18 +33,13 @@ import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import (VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, known_ge, norm_dim, same_shape,
-                          slice_params, sym_equal, tensor_val, val)
+from .graph_utils import (VIEW_OPS, as_int, copy_destination_only, describe, erase_dead, insert_call, is_op, known_ge,
+                          norm_dim, same_shape, slice_params, sym_equal, sym_value, tensor_val)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 _WRITES = (aten.slice_scatter.default, aten.select_scatter.default, aten.copy.default)
-
-
-def _paged_logits_op() -> Any:
-    ns = getattr(torch.ops, "nsa", None)
-    return getattr(getattr(ns, "paged_mqa_logits", None), "default", None) if ns is not None else None
 
 
 def _op_args(node: torch.fx.Node) -> dict[str, Any] | None:
@@ -65,13 +60,6 @@ def _op_args(node: torch.fx.Node) -> dict[str, Any] | None:
     return out
 
 
-def _dst_only(node: torch.fx.Node) -> bool:
-    """``node`` (a view of the buffer) is used only as the destination of ``copy``: its elements are never read."""
-    return bool(node.users) and all(
-        is_op(u, aten.copy.default) and u.args[0] is node and node not in u.args[1:] for u in node.users
-    )
-
-
 def _classify_users(full: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
     """(writes that take ``full`` as their destination/base, readers of ``full``'s elements)."""
     writes, reads = [], []
@@ -79,7 +67,7 @@ def _classify_users(full: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torc
         if user.target in _WRITES and user.args[0] is full and full not in user.args[1:]:
             writes.append(user)
         elif (is_op(user, aten.slice.Tensor, aten.select.int, *VIEW_OPS) and user.args[0] is full
-              and _dst_only(user)):
+              and user.users and copy_destination_only(user)):
             continue
         else:
             reads.append(user)
@@ -192,10 +180,11 @@ class EmptyLogitsBuffer:
         tf = tensor_val(full)
         dim, start, end, step = params
         partial = (f"partial write: {describe(write)} covers (dim, start, end, step) = "
-                   f"({dim}, {_v(start)}, {_v(end)}, {_v(step)}) of a buffer of shape {list(tf.shape)}")
-        op = _paged_logits_op()
+                   f"({dim}, {sym_value(start)}, {sym_value(end)}, {sym_value(step)}) of a buffer of shape "
+                   f"{list(tf.shape)}")
+        op = torch.ops.nsa.paged_mqa_logits.default
         producer, chain = _source(write.args[1])
-        if op is None or producer.target is not op:
+        if producer.target is not op:
             return f"{partial}, and the writer {describe(producer)} is not known to write -inf in the rest"
         args = _op_args(producer)
         tl = tensor_val(producer)
@@ -210,20 +199,20 @@ class EmptyLogitsBuffer:
                     f"({list(tensor_val(write.args[1]).shape)})")
         max_len, width = args["max_len"], full.args[0][1]
         if not known_ge(end, max_len):
-            return f"{partial}: the write ends at {_v(end)}, before the logits' max_len {_v(max_len)}"
+            return f"{partial}: the write ends at {sym_value(end)}, before the logits' max_len {sym_value(max_len)}"
         if not known_ge(width, max_len):
-            return f"{partial}: max_len {_v(max_len)} is not provably <= the buffer width {_v(width)}"
+            return f"{partial}: max_len {sym_value(max_len)} is not provably <= the buffer width {sym_value(width)}"
         pages = tensor_val(args["block_table"]).shape[1]
         reach = pages * args["page_size"]
         if not known_ge(max_len, reach):
-            return (f"{partial}: max_len {_v(max_len)} is not provably >= the block table's reach "
-                    f"(max_pages {_v(pages)} * page_size {_v(args['page_size'])}); longer contexts would gain "
-                    "columns")
+            return (f"{partial}: max_len {sym_value(max_len)} is not provably >= the block table's reach "
+                    f"(max_pages {sym_value(pages)} * page_size {sym_value(args['page_size'])}); longer contexts "
+                    "would gain columns")
         for node in chain[:-1]:
             if len(node.users) != 1:
                 return f"{partial}: {describe(node)} has other users besides the write"
         if len(producer.users) != 1:
-            return f"{partial}: the logits {describe(producer)} are also used elsewhere at width {_v(max_len)}"
+            return f"{partial}: the logits {describe(producer)} are also used elsewhere at width {sym_value(max_len)}"
         names = [a.name for a in producer.target._schema.arguments]
         new_args = tuple(width if n == "max_len" else args[n] for n in names)
         with graph.inserting_before(write):
@@ -231,10 +220,6 @@ class EmptyLogitsBuffer:
         write.replace_all_uses_with(new)
         erase_dead(graph, [write])
         return None
-
-
-def _v(x: Any) -> Any:
-    return val(x) if isinstance(x, torch.fx.Node) else x
 
 
 PASS = EmptyLogitsBuffer()

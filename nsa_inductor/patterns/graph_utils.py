@@ -4,6 +4,7 @@ evaluating an index subgraph on probe inputs (to check what an expression comput
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -44,12 +45,16 @@ def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def insert_call(graph: torch.fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
-    """Add ``target(*args, **kwargs)`` at the graph's insertion point, with ``meta["val"]`` computed on fakes."""
+def insert_call(graph: torch.fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None,
+                like: torch.fx.Node | None = None) -> torch.fx.Node:
+    """Add ``target(*args, **kwargs)`` at the graph's insertion point, with ``meta["val"]`` computed on fakes.
+
+    ``like``: a node whose fake value supplies the fake mode when no argument is a tensor (``iota``)."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    fake_args, fake_kwargs = tree_map(lambda a: val(a) if isinstance(a, torch.fx.Node) else a, (args, kwargs))
-    mode = detect_fake_mode([v for v in tree_flatten((fake_args, fake_kwargs))[0] if isinstance(v, torch.Tensor)])
+    fake_args, fake_kwargs = tree_map(sym_value, (args, kwargs))
+    tensors = [v for v in tree_flatten((fake_args, fake_kwargs))[0] if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(tensors or ([val(like)] if like is not None else []))
     with mode or contextlib.nullcontext():
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
@@ -110,43 +115,39 @@ def evaluate(output: torch.fx.Node, bindings: dict[torch.fx.Node, Any]) -> Any:
     return env[output]
 
 
-
-
-def _sym_value(x: Any) -> Any:
+def sym_value(x: Any) -> Any:
+    """The fake value of a node (a SymInt, a fake tensor), anything else as it is."""
     return val(x) if isinstance(x, torch.fx.Node) else x
 
 
-def sym_equal(a: Any, b: Any) -> bool:
-    """``a == b`` for ints, SymInts or FX nodes holding SymInts, proven without adding guards."""
+def _provable(a: Any, b: Any, relation: Callable[[Any, Any], Any]) -> bool:
+    """``relation(a, b)`` holds for ints, SymInts or FX nodes holding SymInts, proven without adding guards."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    if a is b:
-        return True
-    a, b = _sym_value(a), _sym_value(b)
+    a, b = sym_value(a), sym_value(b)
     if a is None or b is None:
-        return a is b
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001 - anything unprovable counts as "not equal"
         return False
+    try:
+        return bool(statically_known_true(relation(a, b)))
+    except Exception:  # noqa: BLE001 - anything unprovable counts as "not known"
+        return False
+
+
+def sym_equal(a: Any, b: Any) -> bool:
+    """``a == b`` proven without adding guards (two missing values count as equal)."""
+    if a is b or sym_value(a) is None and sym_value(b) is None:
+        return True
+    return _provable(a, b, operator.eq)
 
 
 def known_ge(a: Any, b: Any) -> bool:
-    """``a >= b`` proven without adding guards (ints, SymInts, FX nodes of SymInts)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    a, b = _sym_value(a), _sym_value(b)
-    if a is None or b is None:
-        return False
-    try:
-        return bool(statically_known_true(a >= b))
-    except Exception:  # noqa: BLE001
-        return False
+    """``a >= b`` proven without adding guards."""
+    return _provable(a, b, operator.ge)
 
 
 def as_int(x: Any) -> int | None:
     """A plain int for an int, a constant SymInt or a node holding one; ``None`` when symbolic."""
-    x = _sym_value(x)
+    x = sym_value(x)
     if isinstance(x, bool):
         return None
     if isinstance(x, int):
@@ -188,6 +189,11 @@ def describe(node: Any) -> str:
         return repr(node)
     target = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
     return f"{node.name} ({target})"
+
+
+def copy_destination_only(node: torch.fx.Node) -> bool:
+    """Every user of ``node`` is a ``copy`` into it (its elements are never read); true when it has no users."""
+    return all(is_op(u, aten.copy.default) and u.args[0] is node and node not in u.args[1:] for u in node.users)
 
 
 def erase_dead(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:

@@ -105,12 +105,6 @@ def _quantized_by_store(node: torch.fx.Node) -> bool:
             and str(node.args[0]) == "nsa.quant_cache_store.default")
 
 
-def _head_gate_op() -> torch._ops.OpOverload:
-    from ..lowering import ops  # noqa: F401  registers torch.ops.nsa
-
-    return torch.ops.nsa.head_gate_gemm.default
-
-
 def _weight_rows(graph: torch.fx.Graph, b: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
     """The weight as ``[N, K]`` (the op's layout): ``w`` itself under ``b = permute(w)``, else a transposed view."""
     return w if b is not w else insert_call(graph, aten.permute.default, (w, [1, 0]))
@@ -164,14 +158,14 @@ class HeadGateGemm:
 
     def __call__(self, graph: torch.fx.Graph, ctx: PassContext | None = None) -> PassResult:
         result = PassResult()
-        self._static = static_inputs(graph)
+        static = static_inputs(graph)
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.graph is not graph:
                 continue
             if is_op(node, aten.mm.default, aten.addmm.default):
-                reason = self._upcast_gemm(graph, node)
+                reason = self._upcast_gemm(graph, node, static)
             elif is_op(node, prims.convert_element_type.default) and node.args[1] == torch.float32:
-                reason = self._gemm_then_upcast(graph, node)
+                reason = self._gemm_then_upcast(graph, node, static)
             else:
                 continue
             if reason is None:
@@ -182,7 +176,8 @@ class HeadGateGemm:
 
     # -----------------------------------------------------------------------------------------------------------
 
-    def _weight_reason(self, w: torch.fx.Node, dtype: torch.dtype) -> str | None:
+    @staticmethod
+    def _weight_reason(w: torch.fx.Node, dtype: torch.dtype, static: set[torch.fx.Node] | None) -> str | None:
         tw = tensor_val(w)
         if tw.dtype != dtype:
             return f"weight {describe(w)} is {tw.dtype} {list(tw.shape)}, not {dtype}"
@@ -190,9 +185,9 @@ class HeadGateGemm:
             return None
         if w.op != "placeholder":
             return f"weight {describe(w)} is computed in the graph, not a parameter"
-        if self._static is None:
+        if static is None:
             return f"weight {describe(w)}: no AOTAutograd metadata says whether this graph input is a parameter"
-        if w not in self._static:
+        if w not in static:
             return f"weight {describe(w)} is a non-parameter graph input (an activation); rounding it is not allowed"
         return None
 
@@ -202,13 +197,14 @@ class HeadGateGemm:
         """``x [M, K] bf16 @ w_rows [N, K]^T`` in fp32: ``nsa.head_gate_gemm``'s partials summed by pointwise adds
         (not a reduction: Inductor fuses the adds into the consumer kernel instead of launching one of its own)."""
         splits = max(1, min(_MAX_SPLITS, k // _K_PER_SPLIT))
-        partials = insert_call(graph, _head_gate_op(), (x, w_rows, splits, round_weight))
+        partials = insert_call(graph, torch.ops.nsa.head_gate_gemm.default, (x, w_rows, splits, round_weight))
         total = insert_call(graph, aten.select.int, (partials, 0, 0))
         for s in range(1, splits):
             total = insert_call(graph, aten.add.Tensor, (total, insert_call(graph, aten.select.int, (partials, 0, s))))
         return total
 
-    def _upcast_gemm(self, graph: torch.fx.Graph, mm: torch.fx.Node) -> str | None | bool:
+    def _upcast_gemm(self, graph: torch.fx.Graph, mm: torch.fx.Node, static: set[torch.fx.Node] | None
+                     ) -> str | None | bool:
         """``mm(convert(x_bf16, f32), W32^T)`` (or addmm). ``False``: not this idiom at all (no report)."""
         is_addmm = is_op(mm, aten.addmm.default)
         a, b = (mm.args[1], mm.args[2]) if is_addmm else (mm.args[0], mm.args[1])
@@ -225,7 +221,7 @@ class HeadGateGemm:
             return f"GEMM of an upcast activation whose second operand {describe(b)} is computed, not a 2-D weight"
         if tx is None or tx.dtype != torch.bfloat16:
             return f"activation {describe(x)} is {tx.dtype if tx is not None else None} before the upcast, not bfloat16"
-        reason = self._weight_reason(w, torch.float32)
+        reason = self._weight_reason(w, torch.float32, static)
         if reason:
             return reason
         tw = tensor_val(w)
@@ -252,7 +248,8 @@ class HeadGateGemm:
         erase_dead(graph, [mm])
         return None
 
-    def _gemm_then_upcast(self, graph: torch.fx.Graph, cvt: torch.fx.Node) -> str | None | bool:
+    def _gemm_then_upcast(self, graph: torch.fx.Graph, cvt: torch.fx.Node, static: set[torch.fx.Node] | None
+                          ) -> str | None | bool:
         """``convert(mm(x_bf16, W16^T), f32)``, possibly with reshapes between the mm and the convert."""
         src = cvt.args[0]
         ts = tensor_val(src)
@@ -266,7 +263,7 @@ class HeadGateGemm:
         w = _transposed_weight(b)
         if w is None or ta is None or ta.dtype != torch.bfloat16:
             return False  # a bf16 product of activations, not a linear layer
-        reason = self._weight_reason(w, torch.bfloat16)
+        reason = self._weight_reason(w, torch.bfloat16, static)
         if reason:
             return reason
         for node in [mm, *views]:

@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, insert_call, is_op, val
+from .graph_utils import VIEW_OPS, erase_dead, insert_call, is_op, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -873,25 +873,7 @@ def replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, known
             sizes = [-1 if s is None else s for s in sizes]
         new = insert_call(graph, aten.reshape.default, (new, sizes))
     old.replace_all_uses_with(new)
-    dead = [old]
-    while dead:
-        node = dead.pop()
-        if node.users or node.op != "call_function" or node.is_impure():
-            continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        dead.extend(inputs)
-
-
-def insert_like(graph: torch.fx.Graph, target, args: tuple, kwargs: dict, like: torch.fx.Node) -> torch.fx.Node:
-    """``insert_call`` for ops without tensor arguments (iota): the fake mode comes from ``like``."""
-    from torch._guards import detect_fake_mode
-
-    node = graph.call_function(target, args, kwargs)
-    load = lambda a: val(a) if isinstance(a, torch.fx.Node) else a
-    with detect_fake_mode([val(like)]):
-        node.meta["val"] = target(*[load(a) for a in args], **{k: load(v) for k, v in kwargs.items()})
-    return node
+    erase_dead(graph, [old])
 
 
 def run_family(graph: torch.fx.Graph, ctx: PassContext, family: str, rewrite) -> PassResult:

@@ -17,7 +17,7 @@ import torch.fx
 
 from ..pass_manager import PassContext, PassResult
 from .graph_utils import insert_call, val
-from .mqa_matching import HEAD_DIM, Unproven, as_dtype, insert_like, replace, reshape, run_family, size_arg
+from .mqa_matching import HEAD_DIM, Unproven, as_dtype, replace, reshape, run_family, size_arg
 
 aten = torch.ops.aten
 
@@ -44,7 +44,7 @@ def rewrite(graph: torch.fx.Graph, m, layout) -> None:
         k8 = insert_call(graph, operator.getitem, (gathered, 0))
         k_scale = insert_call(graph, operator.getitem, (gathered, 1))
         cu64 = as_dtype(graph, cu, torch.int64)
-        token = insert_like(graph, torch.ops.prims.iota.default, (tokens,),
+        token = insert_call(graph, torch.ops.prims.iota.default, (tokens,),
                             dict(start=0, step=1, dtype=torch.int64, device=val(cu).device, requires_grad=False), cu)
         # the searchsorted_offset pass, which runs later, gives this search a copy of the slice (torch 2.11)
         ends = insert_call(graph, aten.slice.Tensor, (cu64, 0, 1))

@@ -26,14 +26,15 @@ is reported as a near miss, never removed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
 from ..pass_manager import PassContext, PassResult
-from .graph_utils import (VIEW_OPS, as_int, describe, erase_dead, is_op, norm_dim, same_shape, slice_params,
-                          sym_equal, tensor_val, val)
+from .graph_utils import (VIEW_OPS, as_int, copy_destination_only, describe, erase_dead, is_op, norm_dim, same_shape,
+                          slice_params, sym_equal, sym_value, tensor_val)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -85,9 +86,9 @@ def same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     return value_root(a) is value_root(b)
 
 
-def mutated_before(root: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node | None:
-    """A node that mutates ``root`` (or a view of it) placed before ``anchor``, if any."""
-    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+def _uses(root: torch.fx.Node, follow: Callable[[torch.fx.Node, torch.fx.Node], bool]
+          ) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Every ``(node, user)`` pair from ``root`` on, walking on into the users ``follow(user, node)`` accepts."""
     stack, seen = [root], set()
     while stack:
         node = stack.pop()
@@ -95,12 +96,19 @@ def mutated_before(root: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node 
             continue
         seen.add(node)
         for user in node.users:
-            schema = getattr(user.target, "_schema", None)
-            if user.op == "call_function" and schema is not None and schema.is_mutable:
-                if order.get(user, -1) < order[anchor]:
-                    return user
-            if is_op(user, *VIEW_OPS):
+            yield node, user
+            if follow(user, node):
                 stack.append(user)
+
+
+def mutated_before(root: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node | None:
+    """A node that mutates ``root`` (or a view of it) placed before ``anchor``, if any."""
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    for _, user in _uses(root, lambda user, _: is_op(user, *VIEW_OPS)):
+        schema = getattr(user.target, "_schema", None)
+        if user.op == "call_function" and schema is not None and schema.is_mutable \
+                and order.get(user, -1) < order[anchor]:
+            return user
     return None
 
 
@@ -135,18 +143,6 @@ def same_index(a: tuple, b: tuple, ndim: int, size: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # the pass
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _source_chain(src: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """The node the scatter source reduces to through value-preserving steps, and the steps' nodes."""
-    chain = [src]
-    node = src
-    while True:
-        nxt = value_step(node)
-        if not isinstance(nxt, torch.fx.Node):
-            return node, chain
-        node = nxt
-        chain.append(node)
 
 
 def _is_rope_like(node: torch.fx.Node, depth: int = 6) -> bool:
@@ -185,34 +181,21 @@ def _why_not_identity(node: torch.fx.Node) -> str:
     return f"source is {what} ({describe(node)}), not the destination"
 
 
-def _is_read(node: torch.fx.Node) -> bool:
-    """``node``'s elements are read by some user (being only the destination of ``copy`` is no read)."""
-    return any(not (is_op(u, aten.copy.default) and u.args[0] is node and node not in u.args[1:]) for u in node.users)
-
-
 def _looks_like_writeback(scatter: torch.fx.Node) -> bool:
     """A slice/select of the destination's value with the scatter's range exists (the eager idiom's shape)."""
     base = scatter.args[0]
     root = value_root(base)
     sl_target = _SLICE_FOR[scatter.target]
-    if _source_chain(scatter.args[1])[0].target is sl_target:
+    if value_root(scatter.args[1]).target is sl_target:
         return True  # the source is a slice (of another tensor, or another range)
     first_ndim = tensor_val(base).dim() if tensor_val(base) is not None else 0
     params = slice_params(scatter, 2) if sl_target is aten.slice.Tensor else (scatter.args[2], scatter.args[3])
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for user in node.users:
-            if user.target is sl_target and user.args[0] is node and tensor_val(node) is not None \
-                    and tensor_val(node).dim() == first_ndim and _is_read(user):
-                other = slice_params(user, 1) if sl_target is aten.slice.Tensor else (user.args[1], user.args[2])
-                if norm_dim(other[0], first_ndim) == norm_dim(params[0], first_ndim):
-                    return True
-            if value_step(user) is node:
-                stack.append(user)
+    for node, user in _uses(root, lambda user, node: value_step(user) is node):
+        if user.target is sl_target and user.args[0] is node and tensor_val(node) is not None \
+                and tensor_val(node).dim() == first_ndim and not copy_destination_only(user):
+            other = slice_params(user, 1) if sl_target is aten.slice.Tensor else (user.args[1], user.args[2])
+            if norm_dim(other[0], first_ndim) == norm_dim(params[0], first_ndim):
+                return True
     return False
 
 
@@ -222,7 +205,7 @@ def check_writeback(scatter: torch.fx.Node) -> str | None:
     tb, ts = tensor_val(base), tensor_val(src)
     if tb is None or ts is None:
         return "no fake tensor metadata on the scatter's inputs"
-    sl, _ = _source_chain(src)
+    sl = value_root(src)
     sl_target = _SLICE_FOR[scatter.target]
     if sl.target is not sl_target:
         return _why_not_identity(sl)
@@ -257,7 +240,7 @@ def check_writeback(scatter: torch.fx.Node) -> str | None:
 
 
 def _fmt(params: tuple) -> str:
-    return "(" + ", ".join(str(val(p)) if isinstance(p, torch.fx.Node) else str(p) for p in params) + ")"
+    return "(" + ", ".join(str(sym_value(p)) for p in params) + ")"
 
 
 class RopeCopyElision:

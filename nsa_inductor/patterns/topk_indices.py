@@ -35,12 +35,6 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-def _topk_op() -> Any:
-    from ..lowering import ops  # noqa: F401  registers torch.ops.nsa
-
-    return torch.ops.nsa.topk_indices.default
-
-
 def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
@@ -94,7 +88,7 @@ def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | No
     # row b*next_n + j sees keys s <= ctx[b] - next_n + j
     steps = insert_call(graph, prims.iota.default, (next_n,),
                         {"start": 1 - next_n, "step": 1, "dtype": torch.int32,
-                         "device": tensor_val(context_lens).device, "requires_grad": False})
+                         "device": tensor_val(context_lens).device, "requires_grad": False}, context_lens)
     per_step = insert_call(graph, aten.add.Tensor, (insert_call(graph, aten.unsqueeze.default, (context_lens, 1)),
                                                     steps))
     return insert_call(graph, aten.reshape.default, (per_step, [-1]))
@@ -140,7 +134,6 @@ class TopkIndices:
 
     def __call__(self, graph: torch.fx.Graph, ctx: PassContext | None = None) -> PassResult:
         result = PassResult()
-        op = _topk_op()
         for topk in list(graph.nodes):
             if not is_op(topk, aten.topk.default):
                 continue
@@ -151,7 +144,8 @@ class TopkIndices:
             replaced = found["replace"]
             with graph.inserting_before(replaced):
                 lengths = _lengths(graph, found["logits"])
-                new = insert_call(graph, op, (found["logits"], found["k"], lengths, found["offset"]))
+                new = insert_call(graph, torch.ops.nsa.topk_indices.default,
+                                  (found["logits"], found["k"], lengths, found["offset"]))
                 if found["int64"]:
                     new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
             replaced.replace_all_uses_with(new)
