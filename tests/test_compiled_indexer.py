@@ -11,8 +11,8 @@ import torch
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
-from pass_helpers import assert_matches_eager
-from reference64 import assert_logits_close
+from helpers.pass_helpers import assert_matches_eager
+from helpers.reference64 import assert_logits_close
 
 CONFIGS = {"deepseek_v32": IndexerConfig.deepseek_v32().small(), "glm5": IndexerConfig.glm5().small()}
 LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(16), "preshuffle": KCacheLayout(16, preshuffle=True)}

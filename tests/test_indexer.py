@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from nsa_inductor.indexer import Indexer, IndexerConfig, apply_rope, hadamard_matrix
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
-from reference64 import assert_logits_close, decode_slot, indexer_logits64, topk_sets_valid
+from helpers.reference64 import assert_logits_close, decode_slot, indexer_logits64, topk_sets_valid
 
 LAYOUTS = [KCacheLayout(1), KCacheLayout(16), KCacheLayout(16, preshuffle=True)]
 CONFIGS = {"deepseek_v32": IndexerConfig.deepseek_v32().small(), "glm5": IndexerConfig.glm5().small()}

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nsa_inductor.layout import KCacheLayout
-from reference64 import scale_byte, value_byte
+from helpers.reference64 import scale_byte, value_byte
 
 LAYOUTS = st.sampled_from([(1, False), (16, False), (64, False), (5, False), (16, True), (32, True), (64, True)])
 

@@ -13,10 +13,10 @@ from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns import empty_logits_buffer
 from nsa_inductor.workload import decode_batch
-from other_indexer import OtherIndexer
-import pass_helpers
-from pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
-from reference64 import assert_logits_close
+from helpers.other_indexer import OtherIndexer
+from helpers import pass_helpers
+from helpers.pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.reference64 import assert_logits_close
 
 PASS = empty_logits_buffer.PASS
 INF = float("-inf")

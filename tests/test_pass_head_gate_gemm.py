@@ -18,8 +18,8 @@ from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns import head_gate_gemm
 from nsa_inductor.workload import decode_batch, prefill_batch
-from other_indexer import OtherIndexer
-from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.other_indexer import OtherIndexer
+from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
 CONFIGS = {"deepseek_v32": IndexerConfig.deepseek_v32().small(), "glm5": IndexerConfig.glm5().small()}
 LAYOUT = KCacheLayout(16)

@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import decode_batch
-from other_indexer import OtherIndexer
-from pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
-from reference64 import assert_logits_close
+from helpers.other_indexer import OtherIndexer
+from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.reference64 import assert_logits_close
 from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
 
 NAME = "paged_mqa_logits"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.quant import act_quant
-from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
 LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(16), "preshuffle": KCacheLayout(16, preshuffle=True)}
 NUM_SLOTS = 96

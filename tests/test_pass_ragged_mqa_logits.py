@@ -9,7 +9,7 @@ import torch
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import prefill_batch
-from pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
 from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
 from test_pass_paged_mqa_logits import misses, other
 

@@ -12,9 +12,9 @@ from nsa_inductor.indexer import Indexer, IndexerConfig, apply_rope
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns import rope_copy_elision
 from nsa_inductor.workload import decode_batch, prefill_batch
-from other_indexer import OtherIndexer
-import pass_helpers
-from pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.other_indexer import OtherIndexer
+from helpers import pass_helpers
+from helpers.pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
 PASS = rope_copy_elision.PASS
 # Only the pass under test (and Inductor) rewrite: the other passes are tested in their own files.

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nsa_inductor.patterns import searchsorted_offset
-import pass_helpers
-from pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers import pass_helpers
+from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
 PASS = searchsorted_offset.PASS
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 
 from nsa_inductor.patterns import topk_indices
-import pass_helpers
+from helpers import pass_helpers
 from test_ops_reference import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
 
 PASS = topk_indices.PASS
@@ -124,7 +124,7 @@ def test_near_misses_keep_torch_topk(fn, reason):
 
 def test_one_compile_serves_every_row_count():
     """Decode's row count (tokens) is dynamic; the logits width and k are not. One graph, the op in it, sets kept."""
-    from pass_helpers import compile_with_dumps, graph_dirs, pass_entry
+    from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_entry
 
     compiled, dump_dir = compile_with_dumps(lambda x: indexer_topk(x, 5), dynamic=True)
     for rows in (3, 17, 300):

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nsa_inductor.quant import act_quant, fp8_max
-from reference64 import act_quant64
+from helpers.reference64 import act_quant64
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 

@@ -70,7 +70,7 @@ def run_pass(graph_pass, count, fn, *args):
 def assert_matches_eager(eager_fn, compiled_fn, batch, prepare=lambda b: b):
     """Run both on clones of ``batch`` (``prepare`` adjusts the compiled side's clone): cache bytes identical, logits
     within DESIGN §4 with identical -inf masks, top-k index sets equal."""
-    from reference64 import assert_logits_close
+    from helpers.reference64 import assert_logits_close
 
     eager, comp = batch.clone(), prepare(batch.clone())
     with torch.no_grad():
