@@ -20,7 +20,7 @@ if [ "$mode" = "numerics" ]; then
 fi
 
 if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ]; then
-  python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  python3 -m pytest -q -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 

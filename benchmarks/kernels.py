@@ -12,6 +12,7 @@ Floors (DESIGN §6): 4.3 TB/s copy bandwidth and ~1979 TFLOP/s dense fp8 on an H
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import pathlib
 import sys
@@ -21,7 +22,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from nsa_inductor.layout import KCacheLayout  # noqa: E402
-from nsa_inductor.lowering import reference  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 FP8_FLOPS_PER_S = 1979e12
@@ -35,6 +35,11 @@ def _bench(fn, fast: bool) -> float:
 
     ms = triton.testing.do_bench(fn, warmup=10 if fast else 25, rep=30 if fast else 100, return_mode="median")
     return ms * 1e3
+
+
+def _op(name: str):
+    """``(triton module, reference module)`` of the op ``name`` (imported here: the script needs a GPU first)."""
+    return tuple(importlib.import_module(f"nsa_inductor.lowering.{name}.{m}") for m in ("triton", "reference"))
 
 
 def _parse_configs(values: list[str] | None, cls, names: tuple[str, ...]) -> list:
@@ -69,7 +74,8 @@ def _paged_inputs(batch: int, ctx: int, layout: tuple[int, bool], heads: int = 6
     return q, cache, weights, context_lens, block_table, ctx, page_size, preshuffle
 
 
-def bench_paged(args, tk, rows: list[dict]) -> None:
+def bench_paged(args, rows: list[dict]) -> None:
+    tk, reference = _op("paged_mqa_logits")
     configs = _parse_configs(args.paged_config, tk.PagedConfig, ("chunk", "block_n", "num_warps", "num_stages"))
     batches, ctxs = ([1, 64], [8192]) if args.quick else ([1, 8, 64], [2048, 8192, 32768])
     for name, layout in LAYOUTS.items():
@@ -99,7 +105,8 @@ def _bandwidth_row(kernel: str, case: str, us: float, torch_us: float | None, nb
             "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "config": ""}
 
 
-def bench_quant_store(args, tk, rows: list[dict]) -> None:
+def bench_quant_store(args, rows: list[dict]) -> None:
+    tk, reference = _op("quant_cache_store")
     for tokens in (64, 8192):
         for name, (page_size, preshuffle) in LAYOUTS.items():
             num_slots = 1 << 20
@@ -113,7 +120,8 @@ def bench_quant_store(args, tk, rows: list[dict]) -> None:
             rows.append(_bandwidth_row("quant_cache_store", f"{name} T={tokens}", us, torch_us, nbytes))
 
 
-def bench_gather(args, tk, rows: list[dict]) -> None:
+def bench_gather(args, rows: list[dict]) -> None:
+    tk, reference = _op("gather_k")
     batch, ctx = 4, 2048
     for name, layout in LAYOUTS.items():
         inputs = _paged_inputs(batch, ctx, layout)
@@ -126,7 +134,8 @@ def bench_gather(args, tk, rows: list[dict]) -> None:
         rows.append(_bandwidth_row("gather_k", f"{name} T={batch * ctx}", us, torch_us, nbytes))
 
 
-def bench_ragged(args, tk, rows: list[dict]) -> None:
+def bench_ragged(args, rows: list[dict]) -> None:
+    tk, reference = _op("mqa_logits")
     configs = _parse_configs(args.ragged_config, tk.RaggedConfig, ("block_m", "block_n", "num_warps", "num_stages"))
     tokens, heads = (4096, 64) if args.quick else (8192, 64)
     q = _random_fp8((tokens, heads, 128))
@@ -147,9 +156,10 @@ def bench_ragged(args, tk, rows: list[dict]) -> None:
     })
 
 
-def bench_head_gate(args, tk, rows: list[dict]) -> None:
+def bench_head_gate(args, rows: list[dict]) -> None:
     """weights_proj of DeepSeek-V3.2 (x [M, 7168] bf16, W [64, 7168] fp32, 4 splits as the pass chooses), against
     eager's ``F.linear(x.float(), W)``; the sweep adds the tilings the default was chosen against."""
+    tk, _ = _op("head_gate_gemm")
     weight = torch.randn(64, 7168, device=DEV) * 7168**-0.5
     for tokens in (1, 64, 4096):
         x = torch.randn(tokens, 7168, device=DEV).bfloat16()
@@ -194,15 +204,13 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a GPU")
-    from nsa_inductor.lowering import triton_kernels as tk
-
     torch.manual_seed(0)
     rows: list[dict] = []
     benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
                "head_gate": bench_head_gate}
     for name, bench in benches.items():
         if not args.only or name in args.only:
-            bench(args, tk, rows)
+            bench(args, rows)
             print(f"done: {name}", flush=True)
     for r in rows:
         for cfg, us in r.get("sweep", {}).items():

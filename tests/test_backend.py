@@ -27,7 +27,8 @@ def test_backend_is_found_through_the_entry_point_without_importing_the_package(
         import sys, torch
         fn = torch.compile(lambda x: torch.relu(x) * 2, backend="nsa_rocm")
         assert torch.equal(fn(torch.tensor([-1.0, 3.0])), torch.tensor([0.0, 6.0]))
-        print("triton" in sys.modules and "nsa_inductor.lowering.triton_kernels" in sys.modules)
+        print("triton" in sys.modules
+              and any(m.startswith("nsa_inductor.lowering.") and m.endswith(".triton") for m in sys.modules))
     """)
     assert out.strip() == "False"
 

@@ -8,7 +8,7 @@ from hypothesis import given
 
 from nsa_inductor.patterns import topk_indices
 from helpers import pass_helpers
-from test_ops_reference import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
+from helpers.ops64 import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
 
 PASS = topk_indices.PASS
 INF = float("-inf")

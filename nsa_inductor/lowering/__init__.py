@@ -1,6 +1,7 @@
-"""Kernel layer: the ``nsa`` custom ops (``torch.ops.nsa.*``), their torch references, Triton kernels and aiter
-dispatch. Importing this package registers the ops; Triton and aiter are imported only when a GPU path runs."""
+"""Kernel layer: the ``nsa`` custom ops (``torch.ops.nsa.*``), one package per op with its custom op, fake and
+argument checks (``__init__``), torch reference, Triton kernel and, where aiter has a kernel, aiter dispatch.
+Importing this package registers the ops; Triton and aiter are imported only when a GPU path runs."""
 
-from . import ops
+from . import gather_k, head_gate_gemm, mqa_logits, paged_mqa_logits, quant_cache_store, topk_indices
 
-__all__ = ["ops"]
+__all__ = ["gather_k", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store", "topk_indices"]

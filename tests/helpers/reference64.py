@@ -53,7 +53,10 @@ def indexer_logits64(q_fp8, weights, keys, key_scales, visible) -> torch.Tensor:
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-3) -> None:
+    """Same shape, no NaN, identical -inf masks, finite values within ``rtol`` relative (norm-wise)."""
     actual, expected = actual.double().cpu(), expected.double().cpu()
+    assert actual.shape == expected.shape, f"shape {list(actual.shape)} != {list(expected.shape)}"
+    assert not actual.isnan().any(), "NaN in logits (an element was not written?)"
     assert torch.equal(actual.isneginf(), expected.isneginf()), "-inf masks differ"
     finite = ~expected.isneginf()
     if finite.any():

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-from test_ops_reference import FN, FNUZ, WEIGHT_MODES, adversarial_k, assert_logits_close, assert_rows_close, \
-    eager_topk_rows, head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
+from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, assert_rows_close, eager_topk_rows, \
+    head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
+from helpers.reference64 import assert_logits_close
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,10 +21,9 @@ LAYOUTS = [(1, False), (64, False), (64, True), (16, True)]
 DEV = "cuda"
 
 
-def _tk():
-    from nsa_inductor.lowering import triton_kernels
-
-    return triton_kernels
+def _tk(op: str):
+    """The Triton module of ``op``."""
+    return importlib.import_module(f"nsa_inductor.lowering.{op}.triton")
 
 
 def _native_fp8_types() -> list[torch.dtype]:
@@ -39,7 +41,7 @@ def _k_rows(dtype, gen) -> torch.Tensor:
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
 @pytest.mark.parametrize("dtype", _native_fp8_types())
 def test_quant_cache_store_bit_exact(layout, scale_fmt, dtype):
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.quant_cache_store import reference
 
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +54,7 @@ def test_quant_cache_store_bit_exact(layout, scale_fmt, dtype):
                           generator=gen).to(DEV)
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, page_size, preshuffle, scale_fmt, dtype)
-    _tk().quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
     diff = (cache != want).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
 
@@ -60,7 +62,7 @@ def test_quant_cache_store_bit_exact(layout, scale_fmt, dtype):
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
 def test_quant_cache_store_input_epilogue_bit_exact(input_dtype):
     """The rotation epilogue done in the kernel gives the bytes of storing the eagerly scaled and rounded K."""
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(3)
     y = (torch.randn(4096, 128, generator=gen) * torch.logspace(-3, 3, 4096)[:, None]).to(DEV)
@@ -68,7 +70,7 @@ def test_quant_cache_store_input_epilogue_bit_exact(input_dtype):
     cache = torch.randint(0, 256, (-(-(4096 + 64) // 64), 64 * 132), dtype=torch.uint8, generator=gen).to(DEV)
     want = cache.clone()
     reference.quant_cache_store((y * 128**-0.5).to(input_dtype), want, slots, 64, False, "ue8m0", FN)
-    _tk().quant_cache_store(y, cache, slots, 64, False, "ue8m0", FN, 128**-0.5, input_dtype)
+    _tk("quant_cache_store").quant_cache_store(y, cache, slots, 64, False, "ue8m0", FN, 128**-0.5, input_dtype)
     diff = (cache != want).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
 
@@ -76,7 +78,7 @@ def test_quant_cache_store_input_epilogue_bit_exact(input_dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [FN, FNUZ])
 def test_gather_k_exact_and_fully_written(layout, dtype):
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.gather_k import reference
 
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(1)
@@ -86,7 +88,7 @@ def test_gather_k_exact_and_fully_written(layout, dtype):
     num_tokens = int(cu[-1]) + 50
     poisoned = (torch.full((num_tokens, 128), 0x7F, dtype=torch.uint8, device=DEV).view(dtype),
                 torch.full((num_tokens,), float("nan"), device=DEV))
-    k, scale = _tk().gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, dtype, out=poisoned)
+    k, scale = _tk("gather_k").gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, dtype, out=poisoned)
     want_k, want_scale = reference.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, dtype)
     assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(scale, want_scale)
@@ -107,7 +109,7 @@ def test_paged_mqa_logits(layout, heads, next_n):
     cpu_args = (q, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
     gpu_args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in cpu_args)
     out = torch.full((len(ctx) * next_n, max_len), float("nan"), device=DEV)
-    got = _tk().paged_mqa_logits(*gpu_args, out=out)
+    got = _tk("paged_mqa_logits").paged_mqa_logits(*gpu_args, out=out)
     want = paged_logits64(*cpu_args)
     assert_logits_close(got, want)
     assert_logits_close(torch.ops.nsa.paged_mqa_logits(*gpu_args), want)
@@ -127,7 +129,7 @@ def test_mqa_logits_causal_prefill(heads):
     cpu_args = (q, k, k_scale, weights, ks, ke)
     gpu_args = [a.to(DEV) for a in cpu_args]
     out = torch.full((tokens, tokens), float("nan"), device=DEV)
-    got = _tk().mqa_logits(*gpu_args, out=out)
+    got = _tk("mqa_logits").mqa_logits(*gpu_args, out=out)
     want = ragged_logits64(*cpu_args)
     assert_logits_close(got, want)
     assert_logits_close(torch.ops.nsa.mqa_logits(*gpu_args), want)
@@ -135,7 +137,7 @@ def test_mqa_logits_causal_prefill(heads):
 
 def test_fnuz_ops_on_this_gpu():
     """On NVIDIA fnuz arithmetic runs the torch reference; on AMD the Triton kernels use float8e4b8."""
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(4)
     k = _k_rows(FNUZ, gen)[:300].to(DEV)
@@ -161,7 +163,7 @@ def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
     lengths = torch.randint(0, min(cols, 9000), (rows,), generator=gen).int().to(DEV) if with_lengths else None
     offset = torch.randint(0, 7, (rows,), generator=gen).to(DEV)
     out = torch.full((rows, k), 12345, dtype=torch.int32, device=DEV)  # poisoned: every slot must be written
-    got = _tk().topk_indices(logits, k, lengths, offset, out=out)
+    got = _tk("topk_indices").topk_indices(logits, k, lengths, offset, out=out)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
 
 
@@ -170,14 +172,14 @@ def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
 def test_head_gate_gemm_deepseek_v32_size(rows, mode):
     """weights_proj of DeepSeek-V3.2: x [M, 7168] bf16, W [64, 7168] fp32, 4 splits (the pass's choice for K=7168).
     Partials against the torch reference on this GPU, their sum against the float64 model; every element written."""
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.head_gate_gemm import reference
 
     _, round_weight = WEIGHT_MODES[mode]
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 7168, generator=gen).bfloat16().to(DEV)
     weight = (torch.randn(64, 7168, generator=gen) * 7168**-0.5).to(DEV)
     out = torch.full((4, rows, 64), float("nan"), device=DEV)
-    got = _tk().head_gate_gemm(x, weight, 4, round_weight, out=out)
+    got = _tk("head_gate_gemm").head_gate_gemm(x, weight, 4, round_weight, out=out)
     assert_rows_close(got, reference.head_gate_gemm(x, weight, 4, round_weight))
     total = torch.ops.nsa.head_gate_gemm(x, weight, 4, round_weight).sum(0, keepdim=True)
     assert_rows_close(total, head_gate_partials64(x, weight, 1, round_weight))

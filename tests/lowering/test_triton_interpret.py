@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from hypothesis import given
-from test_ops_reference import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, assert_logits_close, \
-    assert_rows_close, eager_topk_rows, head_gate_weight64, paged_logits64, random_cache, random_fp8, \
-    random_paged_cache, ragged_logits64, tie_weights, topk_case
+
+from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, assert_rows_close, \
+    eager_topk_rows, head_gate_weight64, paged_logits64, random_cache, random_fp8, random_paged_cache, \
+    ragged_logits64, tie_weights, topk_case
+from helpers.reference64 import assert_logits_close
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
@@ -35,11 +37,10 @@ def test_kernels_in_interpreter_subprocess():
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 
-def _kernels():
-    from nsa_inductor.lowering import triton_kernels
-
+def _kernels(op: str):
+    """The Triton module of ``op`` (imported here: TRITON_INTERPRET must be set before triton is)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    return triton_kernels
+    return importlib.import_module(f"nsa_inductor.lowering.{op}.triton")
 
 
 LAYOUTS = [(1, False), (16, False), (16, True), (32, True)]
@@ -50,9 +51,9 @@ LAYOUTS = [(1, False), (16, False), (16, True), (32, True)]
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
 @pytest.mark.parametrize("dtype", [FN, FNUZ])
 def test_quant_cache_store_bytes_match_reference(layout, scale_fmt, dtype):
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.quant_cache_store import reference
 
-    tk = _kernels()
+    tk = _kernels("quant_cache_store")
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(7)
     random_rows = (torch.randn(9, 128, generator=gen) * 5).bfloat16()
@@ -72,7 +73,7 @@ def test_quant_cache_store_bytes_match_reference(layout, scale_fmt, dtype):
 @pytest.mark.parametrize("input_scale", [128**-0.5, 1.0])
 def test_quant_cache_store_input_epilogue_matches_reference(input_dtype, input_scale):
     """Random rows plus rows whose low 16 bits are a bf16 tie (0x8000) or just off it."""
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(9)
     random_rows = torch.randn(8, 128, generator=gen) * torch.logspace(-3, 3, 8)[:, None]
@@ -85,16 +86,16 @@ def test_quant_cache_store_input_epilogue_matches_reference(input_dtype, input_s
     cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
     want = cache.clone()
     reference.quant_cache_store(y, want, slots, 16, False, "ue8m0", FN, input_scale, input_dtype)
-    _kernels().quant_cache_store(y, cache, slots, 16, False, "ue8m0", FN, input_scale, input_dtype)
+    _kernels("quant_cache_store").quant_cache_store(y, cache, slots, 16, False, "ue8m0", FN, input_scale, input_dtype)
     assert torch.equal(cache, want)
 
 
 @child_only
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gather_k_matches_reference(layout):
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.gather_k import reference
 
-    tk = _kernels()
+    tk = _kernels("gather_k")
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(1)
     lengths = [7, 0, 21, 3]
@@ -113,7 +114,7 @@ def test_gather_k_matches_reference(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("next_n, heads", [(1, 32), (2, 16), (2, 24)])
 def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
-    tk = _kernels()
+    tk = _kernels("paged_mqa_logits")
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(2)
     ctx = [0, 1, 37, 50]
@@ -130,7 +131,7 @@ def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
 @child_only
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16)])
 def test_mqa_logits_matches_float64(block_m, block_n):
-    tk = _kernels()
+    tk = _kernels("mqa_logits")
     gen = torch.Generator().manual_seed(3)
     tokens, keys, heads = 40, 45, 16
     q = random_fp8((tokens, heads, 128), FN, gen)
@@ -148,7 +149,7 @@ def test_mqa_logits_matches_float64(block_m, block_n):
 @child_only
 def test_fnuz_logits_in_interpreter():
     """fnuz (tl.float8e4b8) is what the kernels use on ROCm gfx942."""
-    tk = _kernels()
+    tk = _kernels("paged_mqa_logits")
     gen = torch.Generator().manual_seed(4)
     cache = random_cache(3, 16, FNUZ, gen)
     block_table = torch.tensor([[2, 0]], dtype=torch.int32)
@@ -164,7 +165,7 @@ def test_fnuz_logits_in_interpreter():
 @given(**TOPK_CASES)
 def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
     logits, k, lengths, offset = topk_case(rows, cols * 20, k_frac, inf, with_lengths, with_offset, seed)
-    got = _kernels().topk_indices(logits, k, lengths, offset)
+    got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
 
 
@@ -176,9 +177,9 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
 def test_head_gate_gemm_matches_reference(rows, cols, k, splits, mode, config):
     """Ragged M/N/K edges, chunks past K (empty: zeros), every element written (NaN-poisoned output); the default
     tiling for these sizes and the large-M one."""
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.head_gate_gemm import reference
 
-    tk = _kernels()
+    tk = _kernels("head_gate_gemm")
     dtype, round_weight = WEIGHT_MODES[mode]
     gen = torch.Generator().manual_seed(rows + k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -193,17 +194,17 @@ def test_head_gate_gemm_matches_reference(rows, cols, k, splits, mode, config):
 def test_head_gate_gemm_weight_rounding_is_exact(round_weight):
     """x = identity: each output is one weight as the kernel split or rounded it, ties and carries included."""
     weight = tie_weights(20, 70, torch.Generator().manual_seed(6))
-    got = _kernels().head_gate_gemm(torch.eye(70).bfloat16(), weight, 2, round_weight).sum(0)
+    got = _kernels("head_gate_gemm").head_gate_gemm(torch.eye(70).bfloat16(), weight, 2, round_weight).sum(0)
     assert torch.equal(got.double(), head_gate_weight64(weight, round_weight).T)
 
 
 @child_only
 def test_head_gate_gemm_strided_operands():
     """A transposed weight view (a frozen model's folded ``W^T``) and a strided x are read in place."""
-    from nsa_inductor.lowering import reference
+    from nsa_inductor.lowering.head_gate_gemm import reference
 
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(200, 24, generator=gen).bfloat16().t()
     weight = torch.randn(200, 40, generator=gen).t()
-    got = _kernels().head_gate_gemm(x, weight, 3, False)
+    got = _kernels("head_gate_gemm").head_gate_gemm(x, weight, 3, False)
     assert_rows_close(got, reference.head_gate_gemm(x, weight, 3, False))

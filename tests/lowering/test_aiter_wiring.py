@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from nsa_inductor.capability import Capability
-from nsa_inductor.lowering import aiter_dispatch, ops
-from test_ops_reference import FN, FNUZ, random_cache, random_fp8
+from nsa_inductor.lowering import _aiter_common, _common
+from nsa_inductor.lowering.gather_k import aiter as gather_k_aiter
+from nsa_inductor.lowering.mqa_logits import aiter as mqa_logits_aiter
+from nsa_inductor.lowering.paged_mqa_logits import aiter as paged_mqa_logits_aiter
+from nsa_inductor.lowering.quant_cache_store import aiter as quant_cache_store_aiter
+from helpers.ops64 import FN, FNUZ, random_cache, random_fp8
 
 NEW_TRITON_PKG = "aiter.ops.triton.attention"  # since aiter moved its Triton files into folders (2026-01)
 OLD_TRITON_PKG = "aiter.ops.triton"
@@ -82,7 +86,8 @@ def _install(monkeypatch, triton_pkg: str, with_clean_logits: bool = True) -> Re
         for key, value in attrs.items():
             setattr(module, key, value)
         monkeypatch.setitem(sys.modules, name, module)
-    for cached in (aiter_dispatch._cache_ops, aiter_dispatch._paged_logits_fn, aiter_dispatch._ragged_logits_fn):
+    for cached in (_aiter_common.cache_ops, paged_mqa_logits_aiter._paged_logits_fn,
+                   mqa_logits_aiter._ragged_logits_fn):
         cached.cache_clear()
     return rec
 
@@ -90,8 +95,8 @@ def _install(monkeypatch, triton_pkg: str, with_clean_logits: bool = True) -> Re
 @pytest.fixture(autouse=True)
 def _clear_caches():
     yield
-    for cached in (aiter_dispatch._cache_ops, aiter_dispatch._paged_logits_fn, aiter_dispatch._ragged_logits_fn,
-                   aiter_dispatch._accepts_clean_logits):
+    for cached in (_aiter_common.cache_ops, paged_mqa_logits_aiter._paged_logits_fn,
+                   mqa_logits_aiter._ragged_logits_fn, mqa_logits_aiter._accepts_clean_logits):
         cached.cache_clear()
 
 
@@ -103,7 +108,7 @@ def test_quant_cache_store_wiring(monkeypatch, layout, scale_fmt):
     cache = torch.zeros(3, page_size * 132, dtype=torch.uint8)
     k = torch.randn(5, 128).bfloat16()
     slots = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
-    aiter_dispatch.quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, FNUZ)
+    quant_cache_store_aiter.quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, FNUZ)
     [(name, call)] = rec.calls
     assert name == "indexer_k_quant_and_cache"
     args = call.arguments
@@ -120,8 +125,8 @@ def test_quant_cache_store_wiring_applies_the_input_epilogue_first(monkeypatch):
     """aiter quantizes what it is given: the scaled, bf16-rounded K, not the fp32 GEMM output."""
     rec = _install(monkeypatch, NEW_TRITON_PKG)
     y = torch.randn(5, 128) * 30
-    aiter_dispatch.quant_cache_store(y, torch.zeros(3, 64 * 132, dtype=torch.uint8), torch.arange(5), 64, True,
-                                     "ue8m0", FNUZ, 128**-0.5, torch.bfloat16)
+    quant_cache_store_aiter.quant_cache_store(y, torch.zeros(3, 64 * 132, dtype=torch.uint8), torch.arange(5), 64,
+                                              True, "ue8m0", FNUZ, 128**-0.5, torch.bfloat16)
     [(name, call)] = rec.calls
     assert torch.equal(call.arguments["k"], (y * 128**-0.5).bfloat16())
 
@@ -131,7 +136,7 @@ def test_gather_k_wiring(monkeypatch):
     cache = torch.zeros(4, 64 * 132, dtype=torch.uint8)
     block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     cu = torch.tensor([0, 70, 90], dtype=torch.int32)
-    k, scale = aiter_dispatch.gather_k(cache, block_table, cu, 64, True, 96, FN)
+    k, scale = gather_k_aiter.gather_k(cache, block_table, cu, 64, True, 96, FN)
     [(name, call)] = rec.calls
     assert name == "cp_gather_indexer_k_quant_cache"
     args = call.arguments
@@ -153,7 +158,7 @@ def test_paged_mqa_logits_wiring_and_inf_fill(monkeypatch, triton_pkg, next_n):
     weights = torch.randn(2 * next_n, 32)
     ctx = torch.tensor([0, 70], dtype=torch.int32)
     block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    out = aiter_dispatch.paged_mqa_logits(q, cache, weights, ctx, block_table, 300, 64, True)
+    out = paged_mqa_logits_aiter.paged_mqa_logits(q, cache, weights, ctx, block_table, 300, 64, True)
     [(name, call)] = rec.calls
     assert name == "deepgemm_fp8_paged_mqa_logits"
     args = call.arguments
@@ -176,7 +181,7 @@ def test_mqa_logits_wiring(monkeypatch, triton_pkg, with_clean_logits):
     q, k = random_fp8((6, 16, 128), FN, gen), random_fp8((9, 128), FN, gen)
     k_scale, weights = torch.rand(9), torch.randn(6, 16)
     ks, ke = torch.zeros(6, dtype=torch.int32), torch.arange(1, 7, dtype=torch.int32)
-    out = aiter_dispatch.mqa_logits(q, k, k_scale, weights, ks, ke)
+    out = mqa_logits_aiter.mqa_logits(q, k, k_scale, weights, ks, ke)
     [(name, call)] = rec.calls
     assert name == "fp8_mqa_logits"
     args = call.arguments
@@ -188,7 +193,7 @@ def test_mqa_logits_wiring(monkeypatch, triton_pkg, with_clean_logits):
 
 def test_op_routes_to_aiter(monkeypatch):
     rec = _install(monkeypatch, NEW_TRITON_PKG)
-    monkeypatch.setattr(ops, "_backend", lambda op, device, fp8_dtype: "aiter")
+    monkeypatch.setattr(_common, "choose_backend", lambda op, device, fp8_dtype: "aiter")
     gen = torch.Generator().manual_seed(0)
     cache = random_cache(2, 16, FN, gen)
     torch.ops.nsa.quant_cache_store(torch.randn(3, 128).bfloat16(), cache, torch.tensor([0, 1, 2]), 16, True, "ue8m0")
@@ -216,6 +221,6 @@ def _capability(platform: str, aiter: bool, fp8: torch.dtype) -> Capability:
 )
 def test_backend_choice(monkeypatch, platform, aiter, op, fp8, want):
     cap = _capability(platform, aiter, FNUZ if platform == "rocm" else FN)
-    monkeypatch.setattr(ops, "capability", lambda: cap)
-    assert ops._backend(op, torch.device("cuda"), fp8) == want
-    assert ops._backend(op, torch.device("cpu"), fp8) == "torch"
+    monkeypatch.setattr(_common, "capability", lambda: cap)
+    assert _common.choose_backend(op, torch.device("cuda"), fp8) == want
+    assert _common.choose_backend(op, torch.device("cpu"), fp8) == "torch"

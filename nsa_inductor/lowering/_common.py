@@ -1,0 +1,124 @@
+"""What the ``nsa`` ops share on the host: argument checks, the choice of implementation, reference helpers.
+
+Checks read metadata only, so the fakes run them too. Dispatch per call: CPU tensors (or no Triton) run the op's
+``reference``; on ROCm with aiter enabled its ``aiter`` module, where it has one; on other GPUs its ``triton``
+module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8 type has no Triton
+type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte copy and stays on
+Triton for both fp8 types.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+
+from ..capability import capability
+from ..layout import KCacheLayout
+from ..quant import FP8_DTYPES
+
+log = logging.getLogger("nsa_inductor")
+
+INT_TYPES = (torch.int32, torch.int64)
+
+# Largest [rows, heads, keys] fp32 block the logits references materialise at once (1 GiB).
+MAX_SCORE_ELEMENTS = 1 << 28
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    """``shape`` entries of ``None`` match any size."""
+    ok = t.dim() == len(shape) and all(want is None or got == want for got, want in zip(t.shape, shape))
+    if not ok or t.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be {names} {what}, got {describe(t)}")
+
+
+def check_layout(cache: torch.Tensor, page_size: int, preshuffle: bool) -> KCacheLayout:
+    layout = KCacheLayout(page_size, preshuffle)
+    check("cache", cache, (None, layout.page_bytes), (torch.uint8,), f"[num_pages, {layout.page_bytes}] for {layout}")
+    if not cache.is_contiguous():
+        raise ValueError(f"cache must be contiguous, got {describe(cache)} with strides {list(cache.stride())}")
+    return layout
+
+
+def check_fp8(name: str, dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{name} must be one of {FP8_DTYPES}, got {dtype}")
+
+
+def check_devices(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
+
+
+def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype) -> str:
+    """``"aiter"``, ``"triton"`` or ``"torch"`` for one call of ``op`` (an op with an aiter kernel) on ``device``."""
+    if device.type == "cpu":
+        return "torch"
+    cap = capability()
+    if cap.use_aiter and fp8_dtype == cap.fp8_dtype:
+        return "aiter"
+    if not cap.use_triton:
+        return "torch"
+    if cap.platform == "cuda" and fp8_dtype == torch.float8_e4m3fnuz and op != "gather_k":
+        _log_once(f"nsa_inductor: nsa.{op} with float8_e4m3fnuz runs the torch reference on NVIDIA "
+                  "(Triton has no fnuz fp8 type there)")
+        return "torch"
+    return "triton"
+
+
+_MODULES = {"aiter": "aiter", "triton": "triton", "torch": "reference"}
+
+
+def _function(op: str, backend: str):
+    """``op``'s function in its package's ``reference``, ``triton`` or ``aiter`` module."""
+    return getattr(importlib.import_module(f"{__package__}.{op}.{_MODULES[backend]}"), op)
+
+
+def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype):
+    """The function that runs this call of ``op``, an op aiter has a kernel for."""
+    return _function(op, choose_backend(op, device, fp8_dtype))
+
+
+def triton_or_reference(op: str, device: torch.device):
+    """For the ops aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere."""
+    return _function(op, "triton" if device.type != "cpu" and capability().use_triton else "torch")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reference helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache slot of token ``pos`` of sequence ``seq`` (broadcasting); out-of-table pages read page 0."""
+    page_col = pos // page_size
+    in_table = page_col < block_table.shape[1]
+    page = block_table[seq, page_col.clamp(max=block_table.shape[1] - 1)].long()
+    return torch.where(in_table, page * page_size + pos % page_size, 0)

@@ -1,0 +1,45 @@
+"""``nsa.mqa_logits``: the indexer's ragged (prefill) logits over contiguous fp8 K (from ``nsa.gather_k``).
+
+``logit[t, n] = sum_h w[t, h] * relu(q8[t,h] . k8[n] * k_scale[n])`` for ``ks[t] <= n < ke[t]``, -inf elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layout import HEAD_DIM
+from ...quant import FP8_DTYPES
+from .._common import check, check_devices, contiguous, implementation
+
+
+def _validate(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
+    check("q_fp8", q_fp8, (None, None, HEAD_DIM), FP8_DTYPES, "[T, H, 128]")
+    tokens, heads, _ = q_fp8.shape
+    check("k_fp8", k_fp8, (None, HEAD_DIM), (q_fp8.dtype,), "[N, 128] (same fp8 type as q_fp8)")
+    num_keys = k_fp8.shape[0]
+    check("k_scale", k_scale, (num_keys,), (torch.float32,), f"[N={num_keys}]")
+    check("weights", weights, (tokens, heads), (torch.float32,), f"[T={tokens}, H={heads}]")
+    check("ks", ks, (tokens,), (torch.int32,), f"[T={tokens}]")
+    check("ke", ke, (tokens,), (torch.int32,), f"[T={tokens}]")
+    check_devices(q_fp8=q_fp8, k_fp8=k_fp8, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+
+
+@torch.library.custom_op("nsa::mqa_logits", mutates_args=())
+def mqa_logits(
+    q_fp8: torch.Tensor,
+    k_fp8: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+) -> torch.Tensor:
+    """Ragged (prefill) logits ``[T, N]`` fp32: row t sees keys ``ks[t] <= n < ke[t]``, -inf elsewhere."""
+    _validate(q_fp8, k_fp8, k_scale, weights, ks, ke)
+    args = contiguous(q_fp8, k_fp8, k_scale, weights, ks, ke)
+    return implementation("mqa_logits", q_fp8.device, q_fp8.dtype)(*args)
+
+
+@mqa_logits.register_fake
+def _(q_fp8, k_fp8, k_scale, weights, ks, ke):
+    _validate(q_fp8, k_fp8, k_scale, weights, ks, ke)
+    return q_fp8.new_empty((q_fp8.shape[0], k_fp8.shape[0]), dtype=torch.float32)

@@ -1,0 +1,51 @@
+"""``nsa.paged_mqa_logits``: the indexer's decode logits, read straight from the paged fp8 K cache.
+
+``logit[b*next_n+j, s] = sum_h w[., h] * relu(q8[b,j,h] . k8[s] * k_scale[s])`` for the keys a row may see
+(``s <= ctx_b - next_n + j``), -inf elsewhere. Every element is written, so a caller may allocate with ``empty``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layout import HEAD_DIM
+from ...quant import FP8_DTYPES
+from .._common import check, check_devices, check_layout, contiguous, describe, implementation
+
+
+def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle) -> None:
+    check("q_fp8", q_fp8, (None, None, None, HEAD_DIM), FP8_DTYPES, "[B, next_n, H, 128]")
+    batch, next_n, heads, _ = q_fp8.shape
+    check("weights", weights, (batch * next_n, heads), (torch.float32,), f"[B*next_n={batch * next_n}, H={heads}]")
+    check("context_lens", context_lens, (batch,), (torch.int32,), f"[B={batch}]")
+    check("block_table", block_table, (batch, None), (torch.int32,), f"[B={batch}, max_pages]")
+    if block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have at least one column, got {describe(block_table)}")
+    if max_len < 0:
+        raise ValueError(f"max_len must be >= 0, got {max_len}")
+    check_layout(cache, page_size, preshuffle)
+    check_devices(q_fp8=q_fp8, cache=cache, weights=weights, context_lens=context_lens, block_table=block_table)
+
+
+@torch.library.custom_op("nsa::paged_mqa_logits", mutates_args=())
+def paged_mqa_logits(
+    q_fp8: torch.Tensor,
+    cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_len: int,
+    page_size: int,
+    preshuffle: bool,
+) -> torch.Tensor:
+    """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked)."""
+    _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    q_fp8, weights, context_lens, block_table = contiguous(q_fp8, weights, context_lens, block_table)
+    args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    return implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype)(*args)
+
+
+@paged_mqa_logits.register_fake
+def _(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle):
+    _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], max_len), dtype=torch.float32)

@@ -1,0 +1,38 @@
+"""``nsa.paged_mqa_logits`` through aiter's ``deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits,
+context_lens, kv_indices, max_model_len, Preshuffle=False, KVBlockSize=1, ...)`` in
+``aiter.ops.triton.attention.pa_mqa_logits`` (``aiter.ops.triton.pa_mqa_logits`` in older releases)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .._aiter_common import import_first, kv_cache
+
+
+@functools.cache
+def _paged_logits_fn():
+    module = import_first("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
+    return module.deepgemm_fp8_paged_mqa_logits
+
+
+def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle):
+    """aiter writes only the chunks it visits; every column a row may not see is then set to -inf."""
+    batch, next_n = q_fp8.shape[:2]
+    out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
+    _paged_logits_fn()(
+        q_fp8,
+        kv_cache(cache, page_size, q_fp8.dtype, 1),
+        weights,
+        out,
+        context_lens,
+        block_table,
+        max_len,
+        Preshuffle=preshuffle,
+        KVBlockSize=page_size,
+    )
+    cols = torch.arange(max_len, device=out.device)
+    limit = context_lens[:, None] - next_n + torch.arange(next_n, device=out.device)[None, :]
+    hidden = cols[None, None, :] > limit[:, :, None]
+    return out.masked_fill_(hidden.view(batch * next_n, max_len), float("-inf"))

@@ -1,0 +1,146 @@
+"""Triton kernel of ``nsa.paged_mqa_logits``: program (b, c) writes a CHUNK of columns of sequence b's rows.
+
+Small batches split their context into finer chunks so that the GPU has enough programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_common import scale_offsets, value_offsets
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tiling of the paged logits kernel: CHUNK tokens per program, BLOCK_N tokens per fp8 dot."""
+
+    chunk: int = 1024
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.chunk % self.block_n:
+            raise ValueError(f"PagedConfig.chunk ({self.chunk}) must be a multiple of block_n ({self.block_n})")
+
+
+PAGED_CONFIG = PagedConfig()
+PAGED_MIN_PROGRAMS = 256  # about two waves on an H200 (132 SMs): small batches split their context finer
+
+
+def _default_paged_config(batch: int, max_len: int) -> PagedConfig:
+    chunk = PAGED_CONFIG.chunk
+    while chunk > PAGED_CONFIG.block_n and batch * triton.cdiv(max_len, chunk) < PAGED_MIN_PROGRAMS:
+        chunk //= 2
+    return PagedConfig(chunk, PAGED_CONFIG.block_n, PAGED_CONFIG.num_warps, PAGED_CONFIG.num_stages)
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr,
+    values_ptr,
+    scales_ptr,
+    w_ptr,
+    ctx_ptr,
+    bt_ptr,
+    out_ptr,
+    next_n,
+    heads,
+    max_len,
+    bt_stride,
+    max_pages,
+    PAGE_SIZE: tl.constexpr,
+    PRESHUFFLE: tl.constexpr,
+    NEXT_N: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (b, c) writes columns [c*CHUNK, (c+1)*CHUNK) of the next_n rows of sequence b.
+
+    Per BLOCK_N keys: ``scores[s, (j,h)] = k8[s] . q8[b,j,h]`` in one fp8 dot (keys are the M side, so the head
+    sum is a reduction along the dot's N side: mostly within a thread), then
+    ``logit[s, j] = sum_h w[j,h] * relu(scores * k_scale[s])``; chunks wholly past the context only store -inf.
+    """
+    b = tl.program_id(0)
+    start = tl.program_id(1) * CHUNK
+    ctx = tl.load(ctx_ptr + b)
+    jj = tl.arange(0, NEXT_N)
+    out_row = (b * next_n + jj).to(tl.int64) * max_len
+    row_ok = jj < next_n
+    if start >= ctx:
+        for n0 in range(start, start + CHUNK, BLOCK_N):
+            s = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + out_row[None, :] + s[:, None], tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
+                     mask=(s[:, None] < max_len) & row_ok[None, :])
+    else:
+        m = tl.arange(0, NEXT_N * HEADS_PAD)
+        j = m // HEADS_PAD
+        h = m % HEADS_PAD
+        m_ok = (j < next_n) & (h < heads)
+        d = tl.arange(0, 128)
+        q_rows = (b * next_n + j) * heads + h
+        q = tl.load(q_ptr + q_rows[:, None].to(tl.int64) * 128 + d[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + q_rows, mask=m_ok, other=0.0)
+        limit = ctx - next_n + jj
+        visible_end = tl.minimum(start + CHUNK, ctx)
+        for n0 in tl.range(start, visible_end, BLOCK_N):
+            s = n0 + tl.arange(0, BLOCK_N)
+            page_col = s // PAGE_SIZE
+            load_ok = (s < ctx) & (page_col < max_pages)
+            page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + page_col, mask=load_ok, other=0)
+            pos = s % PAGE_SIZE
+            k = tl.load(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
+                        mask=load_ok[:, None], other=0.0)
+            k_scale = tl.load(scales_ptr + scale_offsets(page, pos, PAGE_SIZE), mask=load_ok, other=0.0)
+            scores = tl.dot(k, tl.trans(q))
+            scores = tl.maximum(scores * k_scale[:, None], 0.0) * w[None, :]
+            if NEXT_N == 1:
+                logits = tl.sum(scores, axis=1)[:, None]
+            else:
+                logits = tl.sum(tl.reshape(scores, [BLOCK_N, NEXT_N, HEADS_PAD]), axis=2)
+            logits = tl.where(s[:, None] <= limit[None, :], logits, float("-inf"))
+            tl.store(out_ptr + out_row[None, :] + s[:, None], logits, mask=(s[:, None] < max_len) & row_ok[None, :])
+        first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N
+        for n0 in range(first_hidden, start + CHUNK, BLOCK_N):
+            s = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + out_row[None, :] + s[:, None], tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
+                     mask=(s[:, None] < max_len) & row_ok[None, :])
+
+
+def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, out=None,
+                     config: PagedConfig | None = None):
+    """Decode logits ``[B*next_n, max_len]`` fp32, every element written (-inf where masked)."""
+    batch, next_n, heads, _ = q_fp8.shape
+    cfg = config or _default_paged_config(batch, max_len)
+    if out is None:
+        out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
+    if batch == 0 or max_len == 0:
+        return out
+    _paged_mqa_logits_kernel[(batch, triton.cdiv(max_len, cfg.chunk))](
+        q_fp8,
+        cache.view(q_fp8.dtype),
+        cache.view(torch.float32),
+        weights,
+        context_lens,
+        block_table,
+        out,
+        next_n,
+        heads,
+        max_len,
+        block_table.stride(0),
+        block_table.shape[1],
+        PAGE_SIZE=page_size,
+        PRESHUFFLE=preshuffle,
+        NEXT_N=triton.next_power_of_2(next_n),
+        HEADS_PAD=max(16, triton.next_power_of_2(heads)),
+        CHUNK=cfg.chunk,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,55 @@
+"""``nsa.quant_cache_store``: act_quant of K rows (per-row fp8 + fp32 scale) written into the paged K cache.
+
+The indexer's ``act_quant`` then cache write as one op, so the fp8 values never round-trip through memory. An
+optional epilogue (``input_scale``, ``input_dtype``) folds in the Hadamard rotation's ``(x @ H * 128**-0.5).to(bf16)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layout import HEAD_DIM
+from ...quant import check_scale_fmt
+from .._common import INT_TYPES, check, check_devices, check_fp8, check_layout, contiguous, implementation
+
+_K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype) -> None:
+    check_scale_fmt(scale_fmt)
+    check_fp8("fp8_dtype", fp8_dtype)
+    check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
+    if input_dtype is not None and input_dtype not in _ROUNDED_K_DTYPES:
+        raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
+    check("slot_mapping", slot_mapping, (k.shape[0],), INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
+    check_layout(cache, page_size, preshuffle)
+    check_devices(k=k, cache=cache, slot_mapping=slot_mapping)
+
+
+@torch.library.custom_op("nsa::quant_cache_store", mutates_args=("cache",))
+def quant_cache_store(
+    k: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    preshuffle: bool,
+    scale_fmt: str,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    input_scale: float = 1.0,
+    input_dtype: torch.dtype | None = None,
+) -> None:
+    """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
+
+    ``k' = k * input_scale`` in fp32, rounded to ``input_dtype`` when given: the epilogue of the Hadamard rotation
+    (``(x @ H * 128**-0.5).to(bf16)``), which then needs no kernel of its own."""
+    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)
+    k, slot_mapping = contiguous(k, slot_mapping)
+    run = implementation("quant_cache_store", k.device, fp8_dtype)
+    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype)
+
+
+@quant_cache_store.register_fake
+def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
+      input_dtype=None):
+    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)

@@ -1,0 +1,21 @@
+"""``nsa.quant_cache_store`` through aiter's
+``aiter.ops.cache.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, preshuffle=False)``.
+
+aiter's quantizer multiplies by ``1/scale`` and divides ``amax / fmax`` exactly, so with ``scale_fmt="fp32"`` its
+bytes can differ from the torch reference by one rounding; ue8m0 scales are powers of two and agree.
+"""
+
+from __future__ import annotations
+
+from ...quant import QUANT_BLOCK
+from .._aiter_common import cache_ops, kv_cache, preshuffle_kwarg
+from .reference import scaled_input
+
+
+def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
+                      input_dtype=None) -> None:
+    """aiter quantizes the values as given: the input epilogue runs in torch before it."""
+    cache_ops().indexer_k_quant_and_cache(
+        scaled_input(k, input_scale, input_dtype), kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(),
+        QUANT_BLOCK, scale_fmt, **preshuffle_kwarg(preshuffle),
+    )

@@ -1,0 +1,374 @@
+"""The ``nsa`` ops on CPU (torch reference path) against the independent float64 model of ``helpers.ops64``;
+fakes, opcheck, compile and the argument checks' error messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nsa_inductor  # noqa: F401  (registers torch.ops.nsa)
+from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, assert_rows_close, decode_cache, \
+    eager_topk_rows, head_gate_partials64, head_gate_weight64, paged_logits64, quant64, ragged_logits64, \
+    random_fp8, random_paged_cache, slot_of, small_inputs, tie_weights, topk_case
+from helpers.reference64 import assert_logits_close
+
+LAYOUTS = [(1, False), (16, False), (64, False), (16, True), (32, True), (64, True)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quant_cache_store
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_store(k, page_size, preshuffle, scale_fmt, dtype, slots, num_pages, gen):
+    cache = torch.randint(0, 256, (num_pages, page_size * 132), dtype=torch.uint8, generator=gen)
+    before = cache.clone()
+    torch.ops.nsa.quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, dtype)
+    got_codes, got_scales = decode_cache(cache, page_size, preshuffle)
+    old_codes, old_scales = decode_cache(before, page_size, preshuffle)
+    want_codes, want_scales = quant64(k, scale_fmt, dtype)
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        written[slot] = True
+        assert torch.equal(got_codes[slot], want_codes[t]), f"row {t} slot {slot}: fp8 bytes differ"
+        assert got_scales[slot] == want_scales[t], f"row {t}: scale {got_scales[slot]} != {want_scales[t]}"
+    assert torch.equal(got_codes[~written], old_codes[~written]), "bytes of unwritten slots changed"
+    assert torch.equal(got_scales[~written].view(torch.int64), old_scales[~written].view(torch.int64))
+
+
+@HYP
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    tokens=st.integers(1, 12),
+    scale_fmt=st.sampled_from(["ue8m0", "fp32"]),
+    dtype=st.sampled_from([FN, FNUZ]),
+    magnitude=st.sampled_from([1e-3, 1.0, 37.0, 3e3]),
+    pad_every=st.integers(0, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_quant_cache_store_matches_float64(layout, tokens, scale_fmt, dtype, magnitude, pad_every, seed):
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = max(1, -(-(tokens + 3) // page_size))
+    k = (torch.randn(tokens, 128, generator=gen) * magnitude).bfloat16()
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
+    if pad_every:
+        slots[::pad_every] = -1
+    _check_store(k, page_size, preshuffle, scale_fmt, dtype, slots, num_pages, gen)
+
+
+@pytest.mark.parametrize("dtype", [FN, FNUZ])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("layout", [(1, False), (16, True)])
+def test_quant_cache_store_adversarial_values(dtype, scale_fmt, layout):
+    k = adversarial_k(float(torch.finfo(dtype).max))
+    gen = torch.Generator().manual_seed(0)
+    page_size, preshuffle = layout
+    num_pages = -(-16 // page_size)
+    slots = torch.tensor([3, 0, 15, 7, -1, 9, 12, 1])
+    _check_store(k, page_size, preshuffle, scale_fmt, dtype, slots, num_pages, gen)
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16, None])
+def test_quant_cache_store_input_epilogue(input_dtype):
+    """``input_scale``/``input_dtype`` store exactly what storing ``(y * scale).to(dtype)`` stores."""
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(9, 128, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    slots = torch.tensor([3, 0, 15, 7, -1, 9, 12, 1, 30])
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
+    want, got = cache.clone(), cache.clone()
+    k = y * 128**-0.5
+    torch.ops.nsa.quant_cache_store(k if input_dtype is None else k.to(input_dtype), want, slots, 16, True, "ue8m0")
+    torch.ops.nsa.quant_cache_store(y, got, slots, 16, True, "ue8m0", FN, 128**-0.5, input_dtype)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="input_dtype must be None or one of"):
+        torch.ops.nsa.quant_cache_store(y, got, slots, 16, True, "ue8m0", FN, 1.0, FN)
+
+
+def test_quant_cache_store_all_padding_writes_nothing():
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8)
+    before = cache.clone()
+    torch.ops.nsa.quant_cache_store(torch.randn(5, 128).bfloat16(), cache, torch.full((5,), -1), 16, True, "ue8m0")
+    assert torch.equal(cache, before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gather_k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    spare=st.integers(0, 5),
+    dtype=st.sampled_from([FN, FNUZ]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gather_k_matches_decoded_cache(layout, lengths, spare, dtype, seed):
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    cache, block_table = random_paged_cache(lengths, page_size, dtype, gen)
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    total = int(cu[-1])
+    k, scale = torch.ops.nsa.gather_k(cache, block_table, cu, page_size, preshuffle, total + spare, dtype)
+    assert k.shape == (total + spare, 128) and k.dtype == dtype and scale.dtype == torch.float32
+    codes, scales = decode_cache(cache, page_size, preshuffle)
+    for b, length in enumerate(lengths):
+        for n in range(length):
+            slot, row = slot_of(block_table, b, n, page_size), int(cu[b]) + n
+            assert torch.equal(k[row].view(torch.uint8), codes[slot]), f"seq {b} token {n}"
+            assert scale[row].item() == scales[slot].item()
+    assert not k[total:].view(torch.uint8).any() and not scale[total:].any(), "rows past cu_seqlens[-1] not zero"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# logits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    heads=st.sampled_from([16, 32, 64]),
+    next_n=st.sampled_from([1, 2]),
+    ctx=st.lists(st.integers(0, 70), min_size=1, max_size=3),
+    extra_len=st.integers(0, 40),
+    dtype=st.sampled_from([FN, FNUZ]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_paged_mqa_logits_matches_float64(layout, heads, next_n, ctx, extra_len, dtype, seed):
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(ctx)
+    cache, block_table = random_paged_cache(ctx, page_size, dtype, gen, spare_pages=2)
+    q = random_fp8((batch, next_n, heads, 128), dtype, gen)
+    weights = torch.randn(batch * next_n, heads, generator=gen)
+    context_lens = torch.tensor(ctx, dtype=torch.int32)
+    max_len = max(ctx) + extra_len
+    args = (q, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    got = torch.ops.nsa.paged_mqa_logits(*args)
+    assert got.shape == (batch * next_n, max_len) and got.dtype == torch.float32
+    assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
+
+
+@HYP
+@given(
+    tokens=st.integers(1, 24),
+    keys=st.integers(1, 40),
+    heads=st.sampled_from([16, 32, 64]),
+    dtype=st.sampled_from([FN, FNUZ]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mqa_logits_matches_float64(tokens, keys, heads, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = random_fp8((tokens, heads, 128), dtype, gen)
+    k = random_fp8((keys, 128), dtype, gen)
+    k_scale = torch.rand(keys, generator=gen) + 0.01
+    weights = torch.randn(tokens, heads, generator=gen)
+    ks = torch.randint(0, keys + 1, (tokens,), generator=gen, dtype=torch.int32)
+    ke = torch.minimum(ks + torch.randint(0, keys + 1, (tokens,), generator=gen, dtype=torch.int32),
+                       torch.tensor(keys, dtype=torch.int32))
+    got = torch.ops.nsa.mqa_logits(q, k, k_scale, weights, ks, ke)
+    assert_logits_close(got, ragged_logits64(q, k, k_scale, weights, ks, ke), rtol=1e-5)
+
+
+def test_mqa_logits_causal_prefill():
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads = 20, 32
+    q, k = random_fp8((tokens, heads, 128), FN, gen), random_fp8((tokens, 128), FN, gen)
+    k_scale, weights = torch.rand(tokens, generator=gen) + 0.1, torch.randn(tokens, heads, generator=gen)
+    ks = torch.tensor([0] * 12 + [12] * 8, dtype=torch.int32)  # two sequences of 12 and 8 tokens
+    ke = torch.arange(1, tokens + 1, dtype=torch.int32)
+    got = torch.ops.nsa.mqa_logits(q, k, k_scale, weights, ks, ke)
+    assert_logits_close(got, ragged_logits64(q, k, k_scale, weights, ks, ke), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# top-k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(**TOPK_CASES)
+def test_topk_indices_reference_is_eager_topk_as_sets(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
+    logits, k, lengths, offset = topk_case(rows, cols, k_frac, inf, with_lengths, with_offset, seed)
+    got = torch.ops.nsa.topk_indices(logits, k, lengths, offset)
+    assert got.dtype == torch.int32 and got.shape == (rows, k)
+    assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# head-gate GEMM
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(
+    rows=st.integers(0, 40),
+    cols=st.integers(1, 70),
+    k=st.integers(0, 300),
+    splits=st.integers(1, 4),
+    mode=st.sampled_from(sorted(WEIGHT_MODES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_head_gate_gemm_matches_float64(rows, cols, k, splits, mode, seed):
+    """Products of the bf16 values are exact in fp32, so each partial is off by fp32 summation alone:
+    at most about ``K * 2^-24`` times the sum of ``|x * w|``."""
+    dtype, round_weight = WEIGHT_MODES[mode]
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+    weight = (torch.randn(cols, k, generator=gen) * torch.logspace(-2, 2, cols)[:, None]).to(dtype)
+    got = torch.ops.nsa.head_gate_gemm(x, weight, splits, round_weight)
+    assert got.shape == (splits, rows, cols) and got.dtype == torch.float32
+    want = head_gate_partials64(x, weight, splits, round_weight)
+    magnitude = x.double().abs() @ head_gate_weight64(weight, round_weight).abs().T
+    slack = (k + splits) * 2.0**-24
+    assert ((got.double() - want).abs() <= slack * magnitude).all()
+    assert ((got.double().sum(0) - want.sum(0)).abs() <= slack * magnitude).all()
+
+
+@pytest.mark.parametrize("k, splits, empty", [(65, 4, [2, 3]), (130, 3, []), (64, 4, [1, 2, 3]), (0, 2, [0, 1])])
+def test_head_gate_gemm_chunks(k, splits, empty):
+    """Chunks are multiples of 64 columns; the ones past K hold zeros."""
+    gen = torch.Generator().manual_seed(k)
+    x, weight = torch.randn(3, k, generator=gen).bfloat16(), torch.randn(5, k, generator=gen)
+    got = torch.ops.nsa.head_gate_gemm(x, weight, splits, False)
+    assert torch.equal(got[empty], torch.zeros(len(empty), 3, 5))
+    assert_rows_close(got, head_gate_partials64(x, weight, splits, False))
+
+
+@pytest.mark.parametrize("round_weight", [False, True])
+def test_head_gate_gemm_weight_rounding_is_exact(round_weight):
+    """x = identity: every output is one weight as the op sees it (hi + lo, or bf16(W)), ties and carries included."""
+    gen = torch.Generator().manual_seed(5)
+    weight = tie_weights(6, 200, gen)
+    got = torch.ops.nsa.head_gate_gemm(torch.eye(200).bfloat16(), weight, 3, round_weight).sum(0)
+    assert torch.equal(got.double(), head_gate_weight64(weight, round_weight).T)
+
+
+def test_head_gate_gemm_round_weight_needs_fp32_weight():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, weight, weight32 = torch.zeros(2, 64).bfloat16(), torch.zeros(3, 64).bfloat16(), torch.zeros(3, 64)
+    with pytest.raises(ValueError, match=r"round_weight needs a float32 weight .* got bfloat16 \[3, 64\]"):
+        torch.ops.nsa.head_gate_gemm(x, weight, 1, True)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"splits must be >= 1, got 0"):
+        torch.ops.nsa.head_gate_gemm(mode.from_tensor(x), mode.from_tensor(weight32), 0, False)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"round_weight needs a float32 weight"):
+        torch.ops.nsa.head_gate_gemm(mode.from_tensor(x), mode.from_tensor(weight), 1, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fakes, opcheck, compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices", "head_gate_gemm"]
+)
+def test_opcheck(name):
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    if name in ("paged_mqa_logits", "mqa_logits"):
+        utils = utils[1:]  # opcheck's schema check runs allclose on the fp8 inputs, which CPU torch cannot do
+    torch.library.opcheck(getattr(torch.ops.nsa, name).default, small_inputs()[name], test_utils=utils)
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = small_inputs()
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = {name: tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+                for name, args in inputs.items()}
+        assert torch.ops.nsa.quant_cache_store(*fake["quant_cache_store"]) is None
+        k, s = torch.ops.nsa.gather_k(*fake["gather_k"])
+        assert (k.shape, k.dtype, s.shape, s.dtype) == ((24, 128), FN, (24,), torch.float32)
+        out = torch.ops.nsa.paged_mqa_logits(*fake["paged_mqa_logits"])
+        assert (out.shape, out.dtype) == ((4, 40), torch.float32)
+        out = torch.ops.nsa.mqa_logits(*fake["mqa_logits"])
+        assert (out.shape, out.dtype) == ((6, 9), torch.float32)
+        out = torch.ops.nsa.topk_indices(*fake["topk_indices"])
+        assert (out.shape, out.dtype) == ((4, 7), torch.int32)
+        out = torch.ops.nsa.head_gate_gemm(*fake["head_gate_gemm"])
+        assert (out.shape, out.dtype) == ((3, 5, 12), torch.float32)
+
+
+def test_quant_cache_store_is_declared_mutating():
+    schema = torch.ops.nsa.quant_cache_store.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == ["cache"]
+    assert len(schema.returns) == 0
+
+
+def test_ops_under_torch_compile():
+    inputs = small_inputs()
+
+    def step(k, cache, slots, q, weights, ctx, block_table):
+        torch.ops.nsa.quant_cache_store(k, cache, slots, 16, True, "ue8m0")
+        return torch.ops.nsa.paged_mqa_logits(q, cache, weights, ctx, block_table, 40, 16, True)
+
+    k, cache, slots = inputs["quant_cache_store"][:3]
+    q, _, weights, ctx, block_table = inputs["paged_mqa_logits"][:5]
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    want = step(k, eager_cache, slots, q, weights, ctx, block_table)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(k, compiled_cache, slots, q, weights, ctx,
+                                                                   block_table)
+    assert torch.equal(compiled_cache, eager_cache)
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _replace(args: tuple, index: int, value) -> tuple:
+    return args[:index] + (value,) + args[index + 1 :]
+
+
+@pytest.mark.parametrize(
+    "name, index, value, message",
+    [
+        ("quant_cache_store", 0, torch.randn(6, 64).bfloat16(), r"k must be .*\[T, 128\], got bfloat16 \[6, 64\]"),
+        ("quant_cache_store", 1, torch.zeros(4, 100, dtype=torch.uint8), r"cache must be uint8 \[num_pages, 2112\]"),
+        ("quant_cache_store", 1, torch.zeros(4, 2112), r"cache must be uint8 .* got float32 \[4, 2112\]"),
+        ("quant_cache_store", 2, torch.zeros(5, dtype=torch.int64), r"slot_mapping must be .*\[T=6\].* got int64"),
+        ("quant_cache_store", 2, torch.zeros(6), r"slot_mapping must be int32 or int64 .* got float32 \[6\]"),
+        ("quant_cache_store", 5, "e8m0", r"scale_fmt must be one of"),
+        ("quant_cache_store", 6, torch.bfloat16, r"fp8_dtype must be one of"),
+        ("gather_k", 1, torch.zeros(2, 2, dtype=torch.int64), r"block_table must be int32 \[B, max_pages\], got int64"),
+        ("gather_k", 2, torch.zeros(4, dtype=torch.int32), r"cu_seqlens must be int32 \[B\+1=3\].* got int32 \[4\]"),
+        ("paged_mqa_logits", 0, torch.zeros(2, 2, 32, 128), r"q_fp8 must be float8_e4m3fn or float8_e4m3fnuz"),
+        ("paged_mqa_logits", 2, torch.zeros(2, 32), r"weights must be float32 \[B\*next_n=4, H=32\], got .*\[2, 32\]"),
+        ("paged_mqa_logits", 3, torch.zeros(2, dtype=torch.int64), r"context_lens must be int32 \[B=2\], got int64"),
+        ("paged_mqa_logits", 4, torch.zeros(3, 2, dtype=torch.int32), r"block_table must be int32 \[B=2, max_pages\]"),
+        ("mqa_logits", 1, torch.zeros(9, 128, dtype=FNUZ), r"k_fp8 must be float8_e4m3fn \[N, 128\]"),
+        ("mqa_logits", 2, torch.zeros(9, 1), r"k_scale must be float32 \[N=9\], got float32 \[9, 1\]"),
+        ("mqa_logits", 5, torch.zeros(6, dtype=torch.int64), r"ke must be int32 \[T=6\], got int64 \[6\]"),
+        ("topk_indices", 0, torch.zeros(4, 30).bfloat16(), r"logits must be float32 \[R, N\], got bfloat16"),
+        ("topk_indices", 1, 31, r"k must be in \[0, N=30\], got 31"),
+        ("topk_indices", 2, torch.zeros(3, dtype=torch.int32), r"lengths must be int32 or int64 \[R=4\]"),
+        ("topk_indices", 3, torch.zeros(4, 1, dtype=torch.int64), r"offset must be int32 or int64 \[R=4\]"),
+        ("head_gate_gemm", 0, torch.zeros(5, 130), r"x must be bfloat16 \[M, K\], got float32 \[5, 130\]"),
+        ("head_gate_gemm", 0, torch.zeros(5, 2, 65).bfloat16(), r"x must be bfloat16 \[M, K\], got .*\[5, 2, 65\]"),
+        ("head_gate_gemm", 1, torch.zeros(12, 129), r"weight must be .*bfloat16 \[N, K=130\], got .*\[12, 129\]"),
+        ("head_gate_gemm", 1, torch.zeros(12, 130).half(), r"weight must be float32 or bfloat16 .* got float16"),
+        ("head_gate_gemm", 2, 0, r"splits must be >= 1, got 0"),
+    ],
+)
+def test_validation_errors_name_the_tensor(name, index, value, message):
+    args = _replace(small_inputs()[name], index, value)
+    with pytest.raises(ValueError, match=message):
+        getattr(torch.ops.nsa, name)(*args)
+
+
+def test_preshuffle_needs_page_multiple_of_16():
+    args = _replace(small_inputs()["quant_cache_store"], 3, 8)
+    args = _replace(args, 1, torch.zeros(8, 8 * 132, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        torch.ops.nsa.quant_cache_store(*args)
