@@ -6,11 +6,10 @@ import pytest
 import torch
 from hypothesis import given
 
-from nsa_inductor.patterns import topk_indices
+from nsa_inductor.patterns.topk_indices import TopkIndices
 from helpers import pass_helpers
-from test_ops_reference import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
+from helpers.topk_cases import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
 
-PASS = topk_indices.PASS
 INF = float("-inf")
 
 
@@ -19,7 +18,7 @@ def count_topk(gm) -> int:
 
 
 def run_pass(fn, *args):
-    return pass_helpers.run_pass(PASS, count_topk, fn, *args)
+    return pass_helpers.run_pass(TopkIndices(), count_topk, fn, *args)
 
 
 def indexer_topk(logits, k):

@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nsa_inductor.patterns import searchsorted_offset
+from nsa_inductor.patterns.searchsorted_offset import SearchsortedOffset
 from helpers import pass_helpers
 from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
-PASS = searchsorted_offset.PASS
 
 
 def count_clones(gm) -> int:
@@ -21,7 +20,7 @@ def count_clones(gm) -> int:
 
 
 def run_pass(fn, *args):
-    result, before, after, removed = pass_helpers.run_pass(PASS, count_clones, fn, *args)
+    result, before, after, removed = pass_helpers.run_pass(SearchsortedOffset(), count_clones, fn, *args)
     return result, before, after, -removed
 
 
