@@ -25,7 +25,6 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-
 def search(x: torch.Tensor, weight32: torch.Tensor, bias32: torch.Tensor | None = None) -> torch.Tensor:
     """The eager idioms: x bf16 activations, W32 an fp32 parameter (``x.float() @ W32.t()`` traces the same)..."""
     return F.linear(x.float(), weight32, bias32)

@@ -65,9 +65,8 @@ def _contiguous_from_zero(node: torch.fx.Node) -> bool:
 
 def _dest_root(dest: torch.fx.Node, scatters: list[torch.fx.Node]) -> torch.fx.Node:
     """The value a write's destination is a window of; pops the slice_scatter that puts the window back."""
-    node = dest
-    while is_op(node, *REINTERPRET_OPS) and _same_storage(node, node.args[0]):
-        node = node.args[0]
+    node = walk_back(dest, lambda n: n.args[0] if is_op(n, *REINTERPRET_OPS) and _same_storage(n, n.args[0])
+                     else None)[0]
     if scatters and is_op(node, aten.slice.Tensor) and node.args[0] is scatters[-1].args[0]:
         if _slice_range(node, 1) != _slice_range(scatters[-1], 2):
             raise NearMiss("a window of the cache is written back at another place than it was read from")
