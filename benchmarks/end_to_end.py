@@ -118,7 +118,7 @@ def main() -> None:
     model = Indexer(config, layout).cuda()
     model.reset_parameters(torch.Generator().manual_seed(0))
     options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size,
-               "nsa.head_gate_bf16": not args.no_head_gate}
+               "nsa.head_gate_mode": "off" if args.no_head_gate else "split"}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
     mode = "reduce-overhead" if args.cuda_graphs else None
     only = set(args.variants.split(","))

@@ -1,14 +1,14 @@
 """nsa_inductor: a torch.compile backend (``nsa_rocm``) for the DeepSeek Sparse Attention lightning indexer.
 
-Importing the package registers the ``torch.ops.nsa`` ops and is cheap: names below load their module on first use,
-and nothing imports triton or aiter until a GPU kernel runs.
+Importing the package registers every ``torch.ops.nsa.*`` op (the passes insert them by name); the names below
+load their module on first use, and nothing imports triton or aiter until a GPU kernel runs.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from . import lowering  # noqa: F401  registers torch.ops.nsa
+from . import lowering  # noqa: F401  registers torch.ops.nsa.*
 
 __version__ = "0.1.0"
 

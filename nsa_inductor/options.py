@@ -17,7 +17,8 @@ class NsaOptions:
     - ``dump_dir``: write before/after graphs of every pass and ``report.json`` there (default: ``NSA_INDUCTOR_DUMP_DIR``).
     - ``layout`` / ``page_size``: K-cache layout override (``flat``, ``paged``, ``preshuffle``).
     - ``disable_passes``: names of passes not to run.
-    - ``head_gate_bf16``: allow the head-gate rewrite that runs the fp32 ``weights_proj`` GEMM on bf16 inputs.
+    - ``head_gate_mode``: the head-gate rewrite (fp32 ``weights_proj`` GEMM on bf16 inputs): ``"split"`` (W32 as
+      bf16 hi + lo, the default), ``"round"`` (bf16(W), over DESIGN's 1e-3 logits contract) or ``"off"``.
     - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
       reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
@@ -26,7 +27,7 @@ class NsaOptions:
     layout: str | None = None
     page_size: int | None = None
     disable_passes: tuple[str, ...] = ()
-    head_gate_bf16: bool = True
+    head_gate_mode: str = "split"
     eager_layer_norm: bool = True
 
     def layout_decision(self) -> capability.LayoutDecision:
@@ -36,12 +37,16 @@ class NsaOptions:
         return self.dump_dir or capability.dump_dir_from_env()
 
 
+HEAD_GATE_MODES = ("split", "round", "off")
+# Keys that were renamed: the old key raises an error naming the new one.
+_RENAMED = {"head_gate_bf16": 'nsa.head_gate_mode ("split" | "round" | "off"; False was "off")'}
+
 _TYPES: dict[str, tuple[type, ...]] = {
     "dump_dir": (str, type(None)),
     "layout": (str, type(None)),
     "page_size": (int, type(None)),
     "disable_passes": (tuple, list, str),
-    "head_gate_bf16": (bool,),
+    "head_gate_mode": (str,),
     "eager_layer_norm": (bool,),
 }
 
@@ -56,11 +61,15 @@ def parse_options(options: dict[str, Any] | None) -> tuple[NsaOptions, dict[str,
             inductor[key] = value
             continue
         name = key[len(PREFIX):]
+        if name in _RENAMED:
+            raise ValueError(f"option {key!r} was renamed: use {_RENAMED[name]}")
         if name not in known:
             raise ValueError(f"unknown option {key!r}; nsa options are: {', '.join(PREFIX + k for k in sorted(known))}")
         if not isinstance(value, _TYPES[name]) or (name == "page_size" and isinstance(value, bool)):
             expected = " or ".join(t.__name__ for t in _TYPES[name])
             raise ValueError(f"option {key!r} must be {expected}, got {type(value).__name__} {value!r}")
+        if name == "head_gate_mode" and value not in HEAD_GATE_MODES:
+            raise ValueError(f"option {key!r} must be one of {', '.join(map(repr, HEAD_GATE_MODES))}, got {value!r}")
         if name == "disable_passes":
             value = (value,) if isinstance(value, str) else tuple(value)
         nsa[name] = value

@@ -8,8 +8,7 @@ import logging
 import pathlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -18,35 +17,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from . import capability
 from .debug import GraphDumper
 from .options import NsaOptions
+from .patterns import GraphPass, PassContext, passes_for
 
 log = logging.getLogger("nsa_inductor")
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 REPORTS: deque[dict[str, Any]] = deque(maxlen=64)
-
-
-@dataclass
-class PassResult:
-    """What one pass did to one graph: rewrites made, and near misses (anchor found, check that failed)."""
-
-    matched: int = 0
-    near_misses: list[dict[str, Any]] = field(default_factory=list)
-
-    def miss(self, anchor: torch.fx.Node, reason: str) -> None:
-        self.near_misses.append({"anchor": anchor.format_node(), "reason": reason})
-
-
-@dataclass(frozen=True)
-class PassContext:
-    options: NsaOptions
-    decision: capability.LayoutDecision
-    capability: capability.Capability
-
-
-class GraphPass(Protocol):
-    name: str
-
-    def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult: ...
 
 
 @functools.cache
@@ -59,16 +35,11 @@ class NsaPassManager(CustomGraphPass):
     """Inductor ``post_grad_custom_post_pass`` running the nsa passes, then any pass that was installed before it."""
 
     def __init__(self, options: NsaOptions, inner: Callable[[torch.fx.Graph], None] | None = None):
-        from . import lowering  # noqa: F401  registers the nsa ops the passes insert
-        from .patterns import passes_for
-
         self.options = options
         self.decision = options.layout_decision()
         self.capability = capability.capability()
         self.inner = inner.inner if isinstance(inner, NsaPassManager) else inner
-        self.passes: list[GraphPass] = [
-            p for p in passes_for(options) if p.name not in options.disable_passes
-        ]
+        self.passes: list[GraphPass] = passes_for(options)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         ctx = PassContext(self.options, self.decision, self.capability)

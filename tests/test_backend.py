@@ -99,7 +99,33 @@ def test_uuid_covers_layout_and_options():
     base = NsaPassManager(NsaOptions(layout="paged")).uuid()
     assert base == NsaPassManager(NsaOptions(layout="paged")).uuid()
     assert base != NsaPassManager(NsaOptions(layout="preshuffle")).uuid()
-    assert base != NsaPassManager(NsaOptions(layout="paged", head_gate_bf16=False)).uuid()
+    assert base != NsaPassManager(NsaOptions(layout="paged", head_gate_mode="off")).uuid()
+    # the pass objects' configuration is part of it: "round" runs the same passes as "split"
+    assert base != NsaPassManager(NsaOptions(layout="paged", head_gate_mode="round")).uuid()
+
+
+@pytest.mark.parametrize("mode, runs, round_weight", [("split", True, False), ("round", True, True),
+                                                      ("off", False, None)])
+def test_head_gate_mode_builds_the_pass(mode, runs, round_weight):
+    nsa, _ = parse_options({"nsa.head_gate_mode": mode})
+    passes = {p.name: p for p in NsaPassManager(nsa).passes}
+    assert ("head_gate_gemm" in passes) is runs
+    if runs:
+        assert (passes["head_gate_gemm"].mode == "round") is round_weight
+    assert NsaOptions().head_gate_mode == "split"
+
+
+def test_head_gate_mode_rejects_other_values_and_the_old_key():
+    with pytest.raises(ValueError, match="'split', 'round', 'off'"):
+        parse_options({"nsa.head_gate_mode": "bf16"})
+    with pytest.raises(ValueError, match=r"nsa\.head_gate_bf16.*renamed.*nsa\.head_gate_mode"):
+        parse_options({"nsa.head_gate_bf16": False})
+
+
+def test_pass_objects_are_built_per_compile():
+    a, b = NsaPassManager(NsaOptions()), NsaPassManager(NsaOptions())
+    assert [p.name for p in a.passes] == [p.name for p in b.passes]
+    assert not any(x is y for x, y in zip(a.passes, b.passes))
 
 
 def test_dump_dir_has_graphs_and_report(tmp_path):

@@ -11,41 +11,9 @@ import torch
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, static_cache
 from helpers.pass_helpers import assert_matches_eager
 from helpers.reference64 import assert_logits_close
-
-CONFIGS = {"deepseek_v32": IndexerConfig.deepseek_v32().small(), "glm5": IndexerConfig.glm5().small()}
-LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(16), "preshuffle": KCacheLayout(16, preshuffle=True)}
-
-
-@functools.cache
-def compiled(config_name: str, layout_name: str, entry: str):
-    """One model and one compiled entry point per combination, shared by every test (compiling costs seconds)."""
-    layout = LAYOUTS[layout_name]
-    model = Indexer(CONFIGS[config_name], layout)
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-{config_name}-{layout_name}-{entry}-"))
-    options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
-    fn = getattr(model, entry)
-    return fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
-
-
-CACHE_SLOTS = 512  # one cache shape for every batch, as in serving: only the token count varies between compiles
-
-
-def static_cache(batch):
-    """All models here share ``Indexer.decode``'s code object, so Dynamo would turn the differing cache sizes of
-    different layouts into symbols; a serving engine's cache has one shape, which this restores."""
-    torch._dynamo.mark_static(batch.kv_cache)
-    return batch
-
-
-def batches(config, layout, entry):
-    page = layout.page_size
-    if entry == "decode":
-        return [decode_batch(config, layout, [5, 33, 0, 17], next_n=1, max_len=48, seed=1, cache_pages=CACHE_SLOTS // page),
-                decode_batch(config, layout, [2, 47, 16], next_n=2, max_len=48, seed=2, cache_pages=CACHE_SLOTS // page)]
-    return [prefill_batch(config, layout, [9, 17, 1], padding_tokens=3, seed=3, cache_pages=CACHE_SLOTS // page)]
 
 
 def reports(dump_dir: pathlib.Path) -> list[dict]:

@@ -4,33 +4,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .base import GraphPass, NearMiss, PassContext, PassResult
+
 if TYPE_CHECKING:
     from ..options import NsaOptions
-    from ..pass_manager import GraphPass
+
+__all__ = ["GraphPass", "NearMiss", "PassContext", "PassResult", "passes_for"]
 
 
 def passes_for(options: NsaOptions) -> list[GraphPass]:
-    """Passes in the order they must run.
+    """Fresh pass objects for one compile, configured by ``options``, in the order they must run.
 
     RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
     the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
     before ``topk_indices``, which reads their masks to bound its scan;
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs last so the matchers see the graph as the user wrote it.
     """
-    from . import (
-        empty_logits_buffer,
-        head_gate_gemm,
-        paged_mqa_logits,
-        quant_cache_store,
-        ragged_mqa_logits,
-        rope_copy_elision,
-        searchsorted_offset,
-        topk_indices,
-    )
+    from .empty_logits_buffer import EmptyLogitsBuffer
+    from .head_gate_gemm import HeadGateGemm
+    from .mqa.paged import PagedMqaLogits
+    from .mqa.ragged import RaggedMqaLogits
+    from .quant_cache_store import QuantCacheStore
+    from .rope_copy_elision import RopeCopyElision
+    from .searchsorted_offset import SearchsortedOffset
+    from .topk_indices import TopkIndices
 
-    passes = [rope_copy_elision.PASS, quant_cache_store.PASS]
-    if options.head_gate_bf16:
-        passes.append(head_gate_gemm.PASS)
-    passes += [paged_mqa_logits.PASS, ragged_mqa_logits.PASS, empty_logits_buffer.PASS, topk_indices.PASS,
-               searchsorted_offset.PASS]
-    return passes
+    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore()]
+    if options.head_gate_mode != "off":
+        passes.append(HeadGateGemm(mode=options.head_gate_mode))
+    passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(), SearchsortedOffset()]
+    return [p for p in passes if p.name not in options.disable_passes]

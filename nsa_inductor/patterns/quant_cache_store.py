@@ -1,28 +1,17 @@
 """act_quant followed by the K-cache store -> one ``nsa.quant_cache_store``.
 
-The idiom, as eager code writes it (``Indexer.store_k`` and ``KCacheLayout.store``)::
+Eager idiom (``Indexer.store_k`` and ``KCacheLayout.store``)::
 
     k_fp8, k_scale = act_quant(k)                       # amax, 1e-4 floor, / fp8 max, [2^ceil(log2)], clamp, cast
     cache.view(-1)[value_offsets(slot)] = k_fp8 bytes   # or values[page, pos] = ... through views of the page bytes
     cache.view(-1)[scale_offsets(slot)] = k_scale bytes # or scales[page, pos] = k_scale on an fp32 view
 
-In the post-grad graph the store is a chain of ``index_put`` writes on views of the cache, folded back with
-``reshape``/``view.dtype``/``slice_scatter``, ending in the epilogue ``copy_`` into the cache input. The pass anchors
-on that ``copy_`` and proves, rather than pattern-matches, what the chain does:
-
-- each write's destination is a view of the cache (checked through the fake tensors' shared storage), so the bytes it
-  touches are ``storage_offset + sum(index * stride)``; the index expressions are evaluated on probe slot ids and the
-  resulting byte offsets must equal the compile-time layout's ``value_offsets`` / ``scale_offsets``;
-- the values written are the act_quant output (fp8 max of the cast's own dtype, 1e-4 floor, one 128-wide block) and
-  the scale written is that act_quant's scale;
-- padding: either the masked form (``where(slot >= 0, new - old, 0)`` accumulated, which writes nothing for negative
-  slots: exactly the op) or plain overwrites, whose negative slots wrap like Python indices; those become the wrapped
-  slot ``slot + num_slots`` so the op writes the same bytes.
-
-The replacement is inserted as ``auto_functionalized`` so Inductor reinplaces it: no copy of the cache remains.
-When the quantized tensor is ``(y_fp32 * c).to(bf16/fp16)`` used only here (``rotate_activation``'s epilogue), the
-op takes ``y`` with ``input_scale=c, input_dtype=...`` and does the same multiply and rounding itself, so that
-epilogue needs no kernel of its own.
+Matches the ``index_put`` chain on views of the cache ending in the epilogue ``copy_`` into the cache input, once
+probing proves the bytes written are the layout's offsets of each slot, the values are that act_quant's, and
+padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices.
+Rewrites to ``auto_functionalized(nsa.quant_cache_store, ...)`` (reinplaced: no copy of the cache); a quantized
+``(y_fp32 * c).to(bf16)`` used only here is folded in (``input_scale=c, input_dtype=bf16``).
+Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache.
 """
 
 from __future__ import annotations
@@ -35,17 +24,13 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..layout import KCacheLayout
-from ..pass_manager import PassContext, PassResult
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
-from .graph_utils import aten, evaluate, insert_call, is_op, norm_dim, prims, same_shape, slice_params, val
+from .base import GraphPass, NearMiss, PassContext
+from .fx_utils import (VIEW_OPS, aten, arg, evaluate, insert_call, is_op, norm_dim, prims, same_shape, slice_params,
+                       val, walk_back)
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
-REINTERPRET_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.view.dtype,
-                   aten.alias.default, aten.squeeze.dim, aten.unsqueeze.default)
-
-
-class NoMatch(Exception):
-    """A check failed: the message is the near-miss reason."""
+REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
 
 
 @dataclass
@@ -58,10 +43,8 @@ class Write:
 
 def _strip(node: torch.fx.Node) -> torch.fx.Node:
     """The producer behind byte-preserving reinterpretations (a ``select`` of a size-1 dim counts as a squeeze)."""
-    while is_op(node, *REINTERPRET_OPS) or (
-            is_op(node, aten.select.int) and int(val(node.args[0]).shape[node.args[1]]) == 1):
-        node = node.args[0]
-    return node
+    return walk_back(node, lambda n: n.args[0] if is_op(n, *REINTERPRET_OPS) or (
+        is_op(n, aten.select.int) and int(val(n.args[0]).shape[n.args[1]]) == 1) else None)[0]
 
 
 def _same_storage(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -82,18 +65,17 @@ def _contiguous_from_zero(node: torch.fx.Node) -> bool:
 
 def _dest_root(dest: torch.fx.Node, scatters: list[torch.fx.Node]) -> torch.fx.Node:
     """The value a write's destination is a window of; pops the slice_scatter that puts the window back."""
-    node = dest
-    while is_op(node, *REINTERPRET_OPS) and _same_storage(node, node.args[0]):
-        node = node.args[0]
+    node = walk_back(dest, lambda n: n.args[0] if is_op(n, *REINTERPRET_OPS) and _same_storage(n, n.args[0])
+                     else None)[0]
     if scatters and is_op(node, aten.slice.Tensor) and node.args[0] is scatters[-1].args[0]:
         if _slice_range(node, 1) != _slice_range(scatters[-1], 2):
-            raise NoMatch("a window of the cache is written back at another place than it was read from")
+            raise NearMiss("a window of the cache is written back at another place than it was read from")
         if not _same_storage(node, node.args[0]):
-            raise NoMatch("the written window is a copy, not a view of the cache")
+            raise NearMiss("the written window is a copy, not a view of the cache")
         return scatters.pop().args[0]
     if not _contiguous_from_zero(node) or val(dest).numel() * val(dest).element_size() != val(node).numel() * val(
             node).element_size():
-        raise NoMatch("a write goes through a partial view of the cache that is not scattered back")
+        raise NearMiss("a write goes through a partial view of the cache that is not scattered back")
     return node
 
 
@@ -119,7 +101,7 @@ def _slot_input(nodes: list[torch.fx.Node]) -> torch.fx.Node:
         stack.extend(node.all_input_nodes)
     tensors = [n for n in leaves if isinstance(val(n), torch.Tensor)]
     if len(tensors) != 1 or val(tensors[0]).dim() != 1 or val(tensors[0]).dtype not in (torch.int32, torch.int64):
-        raise NoMatch(f"the write indices must depend on one 1-D integer input (the slot mapping), found {tensors}")
+        raise NearMiss(f"the write indices must depend on one 1-D integer input (the slot mapping), found {tensors}")
     return tensors[0]
 
 
@@ -129,16 +111,16 @@ def _written_offsets(dest: torch.fx.Node, indices: list, slot: torch.fx.Node, pr
     index_vals = []
     for dim, index in enumerate(indices):
         if index is None:
-            raise NoMatch("index_put with a None (sliced) index")
+            raise NearMiss("index_put with a None (sliced) index")
         try:
             idx = evaluate(index, {slot: probe}).long()
         except ValueError:
-            raise NoMatch(f"index {index} depends on more than the slot mapping") from None
+            raise NearMiss(f"index {index} depends on more than the slot mapping") from None
         size = int(dval.shape[dim])
         index_vals.append(torch.where(idx < 0, idx + size, idx))
     index_vals = torch.broadcast_tensors(*index_vals)
     if index_vals[0].dim() == 0 or index_vals[0].shape[0] != probe.shape[0]:
-        raise NoMatch("the write's index does not have one row per token")
+        raise NearMiss("the write's index does not have one row per token")
     strides = [int(s) for s in dval.stride()]
     element = int(dval.storage_offset()) + sum(i * s for i, s in zip(index_vals, strides))
     trailing = list(dval.shape[len(indices):])
@@ -153,21 +135,21 @@ def _masked_payload(values: torch.fx.Node, dest: torch.fx.Node, indices: list, s
                     probe: torch.Tensor) -> torch.fx.Node:
     """``where(slot >= 0, new - dest[indices], 0)``: returns ``new``; the mask must be exactly ``slot >= 0``."""
     if not is_op(values, aten.where.self) or not is_op(values.args[1], aten.sub.Tensor):
-        raise NoMatch("an accumulating write must add where(slot >= 0, new - old, 0)")
+        raise NearMiss("an accumulating write must add where(slot >= 0, new - old, 0)")
     mask, delta, other = values.args
     new, old = delta.args
     zero = other if not isinstance(other, torch.fx.Node) else evaluate(other, {})
     if float(zero) != 0:
-        raise NoMatch(f"the masked-out delta is {zero}, not 0")
+        raise NearMiss(f"the masked-out delta is {zero}, not 0")
     if not is_op(old, aten.index.Tensor) or old.args[0] is not dest or list(old.args[1]) != list(indices):
-        raise NoMatch("the accumulated delta does not subtract the bytes already at the written offsets")
+        raise NearMiss("the accumulated delta does not subtract the bytes already at the written offsets")
     try:
         keep = evaluate(mask, {slot: probe})
     except ValueError:
-        raise NoMatch("the padding mask depends on more than the slot mapping") from None
+        raise NearMiss("the padding mask depends on more than the slot mapping") from None
     rows = keep.reshape(probe.shape[0], -1)
     if not (rows == (probe >= 0)[:, None]).all():
-        raise NoMatch("the padding mask is not slot >= 0")
+        raise NearMiss("the padding mask is not slot >= 0")
     return new
 
 
@@ -184,7 +166,7 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
     slot = None
     node = final
     if not _contiguous_from_zero(cache):
-        raise NoMatch("the cache input is not contiguous")
+        raise NearMiss("the cache input is not contiguous")
     while node is not cache or scatters:
         if is_op(node, *REINTERPRET_OPS):
             node = node.args[0]
@@ -193,19 +175,19 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
             node = node.args[1]
         elif is_op(node, aten.index_put.default):
             dest, indices, values = node.args[:3]
-            accumulate = bool(node.args[3]) if len(node.args) > 3 else bool(node.kwargs.get("accumulate", False))
+            accumulate = bool(arg(node, 3, "accumulate", False))
             indices = list(indices)
             slot = slot or _slot_input([i for i in indices if i is not None])
             offsets = _written_offsets(dest, indices, slot, probe)
             payload = _masked_payload(values, dest, indices, slot, probe) if accumulate else values
             if not _one_row_per_token(payload, slot, offsets.shape[1]):
-                raise NoMatch("the written values are not one row of bytes per token")
+                raise NearMiss("the written values are not one row of bytes per token")
             writes.append(Write(node, offsets, accumulate, payload))
             node = _dest_root(dest, scatters)
         else:
-            raise NoMatch(f"the value copied into the cache is built by {node.target}, not by writes into the cache")
+            raise NearMiss(f"the value copied into the cache is built by {node.target}, not by writes into the cache")
     if not writes:
-        raise NoMatch("no write into the cache was found")
+        raise NearMiss("no write into the cache was found")
     return writes, slot
 
 
@@ -228,7 +210,7 @@ class ActQuant:
 
 def _scalar(node_or_value) -> float:
     if isinstance(node_or_value, torch.fx.Node):
-        raise NoMatch(f"{node_or_value.name} is not a constant")
+        raise NearMiss(f"{node_or_value.name} is not a constant")
     return float(node_or_value)
 
 
@@ -239,7 +221,7 @@ def _match_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, float, float]:
         return node.args[0].args[0], _scalar(node.args[0].args[1]), _scalar(node.args[1])
     if is_op(node, aten.clamp_min.default) and is_op(node.args[0], aten.clamp_max.default):
         return node.args[0].args[0], _scalar(node.args[1]), _scalar(node.args[0].args[1])
-    raise NoMatch("the quantized values are not clamped to [-fp8 max, fp8 max]")
+    raise NearMiss("the quantized values are not clamped to [-fp8 max, fp8 max]")
 
 
 def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> str:
@@ -248,51 +230,51 @@ def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> st
     if is_op(scale, aten.exp2.default) or is_op(scale, aten.pow.Scalar) and _scalar(scale.args[0]) == 2.0:
         exponent = scale.args[0] if is_op(scale, aten.exp2.default) else scale.args[1]
         if not is_op(exponent, aten.ceil.default) or not is_op(exponent.args[0], aten.log2.default):
-            raise NoMatch("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
+            raise NearMiss("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
         raw, fmt = exponent.args[0].args[0], "ue8m0"
     if is_op(raw, aten.div.Tensor):
         divisor = _scalar(raw.args[1])
     elif is_op(raw, aten.mul.Tensor):
         divisor = 1.0 / _scalar(raw.args[1])
     else:
-        raise NoMatch("the scale is not amax / fp8 max")
+        raise NearMiss("the scale is not amax / fp8 max")
     if divisor != fmax and float(torch.tensor(1.0 / divisor, dtype=torch.float32)) != float(
             torch.tensor(1.0 / fmax, dtype=torch.float32)):
-        raise NoMatch(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
+        raise NearMiss(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
     floor = raw.args[0]
     if not is_op(floor, aten.clamp_min.default) or abs(_scalar(floor.args[1]) - AMAX_FLOOR) > 1e-12:
-        raise NoMatch(f"amax is not floored at {AMAX_FLOOR}")
+        raise NearMiss(f"amax is not floored at {AMAX_FLOOR}")
     amax = floor.args[0]
     if not is_op(amax, aten.amax.default) or not is_op(amax.args[0], aten.abs.default):
-        raise NoMatch("the scale is not built from amax(|x|)")
+        raise NearMiss("the scale is not built from amax(|x|)")
     dims = [int(d) % val(blocks).dim() for d in amax.args[1]]
-    keepdim = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
+    keepdim = arg(amax, 2, "keepdim", False)
     if amax.args[0].args[0] is not blocks or dims != [val(blocks).dim() - 1] or not keepdim:
-        raise NoMatch("amax is not taken over the last dimension of the quantized blocks (with keepdim), so the "
+        raise NearMiss("amax is not taken over the last dimension of the quantized blocks (with keepdim), so the "
                       "scale is not one per block")
     return fmt
 
 
 def _match_act_quant(values: torch.fx.Node) -> ActQuant:
     if not is_op(values, prims.convert_element_type.default) or values.args[1] not in FP8_DTYPES:
-        raise NoMatch(f"the cached values are not an fp8 cast ({values.target})")
+        raise NearMiss(f"the cached values are not an fp8 cast ({values.target})")
     fp8_dtype = values.args[1]
     fmax = fp8_max(fp8_dtype)
     quotient, low, high = _match_clamp(values.args[0])
     if (low, high) != (-fmax, fmax):
-        raise NoMatch(f"values clamped to [{low}, {high}], but {fp8_dtype}'s max is {fmax}")
+        raise NearMiss(f"values clamped to [{low}, {high}], but {fp8_dtype}'s max is {fmax}")
     if not is_op(quotient, aten.div.Tensor) or not isinstance(quotient.args[1], torch.fx.Node):
-        raise NoMatch("the values are not x / scale")
+        raise NearMiss("the values are not x / scale")
     blocks, scale = quotient.args
     if int(val(blocks).shape[-1]) != 128:
-        raise NoMatch(f"quant block is {val(blocks).shape[-1]} wide, the cache holds 128-value blocks")
+        raise NearMiss(f"quant block is {val(blocks).shape[-1]} wide, the cache holds 128-value blocks")
     scale_fmt = _match_scale(scale, blocks, fmax)
     k = _strip(blocks)
     if is_op(k, prims.convert_element_type.default) and val(k).dtype == torch.float32:
         k = k.args[0]
     kval = val(k)
     if kval.dim() != 2 or int(kval.shape[-1]) != 128 or kval.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise NoMatch(f"the quantized tensor is {kval.dtype} {list(kval.shape)}, expected [T, 128]")
+        raise NearMiss(f"the quantized tensor is {kval.dtype} {list(kval.shape)}, expected [T, 128]")
     return ActQuant(k, values, scale, scale_fmt, fp8_dtype)
 
 
@@ -307,61 +289,54 @@ def _check_offsets(writes: list[Write], layout: KCacheLayout, num_slots: int) ->
     value_writes = [w for w in writes if w.offsets.shape[1] == 128]
     scale_writes = [w for w in writes if w.offsets.shape[1] == 4]
     if len(value_writes) != 1 or len(scale_writes) != 1 or len(writes) != 2:
-        raise NoMatch(f"expected one 128-byte value write and one 4-byte scale write per token, found "
+        raise NearMiss(f"expected one 128-byte value write and one 4-byte scale write per token, found "
                       f"{[w.offsets.shape[1] for w in writes]} bytes")
     for write, is_scale in ((value_writes[0], False), (scale_writes[0], True)):
         rows = probe >= 0 if write.masked else torch.ones_like(probe, dtype=torch.bool)
         want = _expected(layout, probe, write.masked, num_slots, is_scale)
         if not torch.equal(write.offsets[rows], want[rows]):
             what = "scale" if is_scale else "value"
-            raise NoMatch(f"the {what} bytes are written at offsets that are not the {layout} layout's")
+            raise NearMiss(f"the {what} bytes are written at offsets that are not the {layout} layout's")
     if value_writes[0].masked != scale_writes[0].masked:
-        raise NoMatch("values and scale treat padding slots differently")
+        raise NearMiss("values and scale treat padding slots differently")
     return value_writes[0], scale_writes[0]
 
 
-class QuantCacheStore:
+class QuantCacheStore(GraphPass):
     name = "quant_cache_store"
 
-    def __call__(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        stores = []
-        layout = ctx.decision.layout
+    def candidates(self, graph: torch.fx.Graph, ctx: PassContext):
         for anchor in list(graph.nodes):
-            if not is_op(anchor, aten.copy_.default) or anchor.args[0].op != "placeholder":
-                continue
-            cache, final = anchor.args[0], anchor.args[1]
-            cval = val(cache)
-            if not isinstance(cval, torch.Tensor) or cval.dtype != torch.uint8 or cval.dim() != 2:
-                continue
-            try:
-                stores.append(self._rewrite(graph, cache, final, layout))
-                result.matched += 1
-            except NoMatch as reason:
-                result.miss(anchor, str(reason))
-        if result.matched:
-            graph.eliminate_dead_code()
-            for stored in stores:
-                _take_input_epilogue(stored)
-            graph.eliminate_dead_code()
-        return result
+            if is_op(anchor, aten.copy_.default) and anchor.args[0].op == "placeholder":
+                cval = val(anchor.args[0])
+                if isinstance(cval, torch.Tensor) and cval.dtype == torch.uint8 and cval.dim() == 2:
+                    yield anchor
+
+    def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
+        return self._rewrite(graph, anchor.args[0], anchor.args[1], ctx.decision.layout)
+
+    def finish(self, graph: torch.fx.Graph, stores: list[torch.fx.Node]) -> None:
+        graph.eliminate_dead_code()
+        for stored in stores:
+            _take_input_epilogue(stored)
+        graph.eliminate_dead_code()
 
     def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout
                  ) -> torch.fx.Node:
         cval = val(cache)
         if not all(isinstance(size, int) for size in cval.shape):
-            raise NoMatch(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
+            raise NearMiss(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
         if int(cval.shape[1]) != layout.page_bytes:
-            raise NoMatch(f"cache rows are {cval.shape[1]} bytes, the compile-time layout {layout} has "
+            raise NearMiss(f"cache rows are {cval.shape[1]} bytes, the compile-time layout {layout} has "
                           f"{layout.page_bytes}-byte pages")
         num_slots = int(cval.shape[0]) * layout.page_size
         writes, slot = _parse_writes(final, cache, layout, num_slots)
         value_write, scale_write = _check_offsets(writes, layout, num_slots)
         quant = _match_act_quant(_strip(value_write.payload))
         if _strip(scale_write.payload) is not _strip(quant.scale):
-            raise NoMatch("the scale written is not the scale of the quantized values")
+            raise NearMiss("the scale written is not the scale of the quantized values")
         if val(slot).shape[0] != val(quant.k).shape[0]:
-            raise NoMatch("the slot mapping and the quantized tensor have different token counts")
+            raise NearMiss("the slot mapping and the quantized tensor have different token counts")
 
         with graph.inserting_before(final):
             slots = slot
@@ -395,5 +370,3 @@ def _take_input_epilogue(stored: torch.fx.Node) -> None:
         return
     stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1]}
 
-
-PASS = QuantCacheStore()

@@ -1,27 +1,14 @@
-"""Removes RoPE write-backs whose source is proven to be the destination itself.
+"""RoPE write-backs whose source is proven to be the destination itself -> removed.
 
-Eager spellings (all become ``slice -> copy -> slice_scatter`` / ``select_scatter`` in the post-grad graph)::
+Eager idiom (post-grad: ``slice -> copy -> slice_scatter`` / ``select_scatter``)::
 
-    q[..., :r] = q_pe                      # q_pe = q[..., :r] (a view whose elements were rotated in place)
-    k.narrow(-1, 0, r).copy_(k_rope)       # k_rope = k.narrow(-1, 0, r)
-    x[:, 3] = x[:, 3]                      # select_scatter
+    q_pe = q[..., :r]; q_pe.copy_(rope(q_pe)); q[..., :r] = q_pe     # k.narrow(-1, 0, r).copy_(k_rope) alike
 
-In the functional graph the write-back reads ``slice(base'', dim, a, b, s)`` of a value equal to ``base`` and
-scatters it back into ``base`` at the same ``(dim, a, b, s)``: ``slice_scatter(base, slice(base, ...), ...) ==
-base`` element for element, so the scatter is replaced by ``base``. Proof obligations (each failing one is a near
-miss with its values):
-
-- the scatter's source, after value-preserving steps (reshape/view/squeeze/unsqueeze chains that end in the same
-  shape, ``clone``, same-dtype ``convert_element_type``, ``copy(dst, s)`` with ``dst`` and ``s`` of one shape and
-  dtype), is a ``slice``/``select`` node of the same shape and dtype as the source;
-- that slice reads a value equal to the scatter's ``base``: both reduce, through the same value-preserving steps,
-  to one node, and have equal shapes and dtypes (a reshape chain of one node to one shape holds the same elements);
-- the slice and the scatter have the same dim, start, end and step (index for select), compared after
-  normalising defaults and negative dims, symbolically for SymInts (no guards are added);
-- nothing mutates that node before the scatter (only a graph input's epilogue ``copy_`` can, in this graph).
-
-The in-place ``q_pe.copy_(rope(q_pe))`` that precedes the write-back is a real write (its source is computed) and
-is reported as a near miss, never removed.
+Matches ``slice_scatter(base, src, dim, a, b, s)`` (or ``select_scatter``; or a whole-tensor ``copy``) whose ``src``
+is, through value-preserving steps (views, clones, same-dtype converts, equal-shape copies), ``slice(x, dim, a, b,
+s)`` of an ``x`` holding the same value as ``base``, with the same range (compared symbolically, no guards), and
+nothing mutating that value before the write. Rewrites to ``base``.
+Never: the in-place ``q_pe.copy_(rope(q_pe))`` itself (a real write; reported as a near miss, kept).
 """
 
 from __future__ import annotations
@@ -32,50 +19,20 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..pass_manager import PassContext, PassResult
-from .graph_utils import (VIEW_OPS, as_int, copy_destination_only, describe, erase_dead, is_op, norm_dim, same_shape,
-                          slice_params, sym_equal, sym_value, tensor_val)
+from .base import GraphPass, NearMiss, PassContext
+from .fx_utils import (VIEW_OPS, as_int, copy_destination_only, describe, erase_dead, is_op, norm_dim, same_shape,
+                       slice_params, sym_equal, sym_value, tensor_val, value_root, value_step, view_chain)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
 _SLICE_FOR = {aten.slice_scatter.default: aten.slice.Tensor, aten.select_scatter.default: aten.select.int}
-_IDENTITY = (aten.clone.default, aten.alias.default)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # value equality in a functional graph
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def value_step(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input ``node`` holds the same elements as (in row-major order), or ``None`` if ``node`` computes."""
-    if is_op(node, *VIEW_OPS) or is_op(node, *_IDENTITY):
-        return node.args[0]
-    if is_op(node, prims.convert_element_type.default):
-        src = node.args[0]
-        ts, tn = tensor_val(src), tensor_val(node)
-        if ts is not None and tn is not None and ts.dtype == tn.dtype:
-            return src
-        return None
-    if is_op(node, aten.copy.default):
-        dst, src = node.args[0], node.args[1]
-        td, ts = tensor_val(dst), tensor_val(src)
-        if td is not None and ts is not None and td.dtype == ts.dtype and same_shape(dst, src):
-            return src
-        return None
-    return None
-
-
-def value_root(node: torch.fx.Node) -> torch.fx.Node:
-    """Follow :func:`value_step` back as far as it goes."""
-    while isinstance(node, torch.fx.Node):
-        nxt = value_step(node)
-        if not isinstance(nxt, torch.fx.Node):
-            break
-        node = nxt
-    return node
 
 
 def same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -170,9 +127,7 @@ def _why_not_identity(node: torch.fx.Node) -> str:
     what = "a RoPE output computed out of place" if _is_rope_like(node) else "a computed value"
     if is_op(node, prims.convert_element_type.default):
         src = node.args[0]
-        inner = src
-        while is_op(inner, *VIEW_OPS, prims.convert_element_type.default):
-            inner = inner.args[0]
+        inner = view_chain(src, VIEW_OPS + (prims.convert_element_type.default,))[0]
         if is_op(inner, aten.slice.Tensor, aten.select.int):
             return (f"source is a dtype change of a slice ({describe(node)}: {tensor_val(src).dtype} -> "
                     f"{tensor_val(node).dtype}), not the destination's own elements")
@@ -199,74 +154,68 @@ def _looks_like_writeback(scatter: torch.fx.Node) -> bool:
     return False
 
 
-def check_writeback(scatter: torch.fx.Node) -> str | None:
-    """``None`` when ``scatter`` provably rewrites its base with its base's own elements, else the failed check."""
+def check_writeback(scatter: torch.fx.Node) -> None:
+    """Proves ``scatter`` rewrites its base with its base's own elements; :class:`NearMiss` with the failed check."""
     base, src = scatter.args[0], scatter.args[1]
     tb, ts = tensor_val(base), tensor_val(src)
     if tb is None or ts is None:
-        return "no fake tensor metadata on the scatter's inputs"
+        raise NearMiss("no fake tensor metadata on the scatter's inputs")
     sl = value_root(src)
     sl_target = _SLICE_FOR[scatter.target]
     if sl.target is not sl_target:
-        return _why_not_identity(sl)
+        raise NearMiss(_why_not_identity(sl))
     tsl = tensor_val(sl)
     if tsl is None or tsl.dtype != ts.dtype or not same_shape(sl, src):
-        return (f"source {describe(sl)} is reshaped to another shape before the write "
-                f"({list(tsl.shape) if tsl is not None else None} vs {list(ts.shape)})")
+        raise NearMiss(f"source {describe(sl)} is reshaped to another shape before the write "
+                       f"({list(tsl.shape) if tsl is not None else None} vs {list(ts.shape)})")
     sliced = sl.args[0]
     if not same_value(sliced, base):
         tsd = tensor_val(sliced)
-        return (f"source slices {describe(sliced)} (root {describe(value_root(sliced))}, "
-                f"{tsd.dtype if tsd is not None else None} {list(tsd.shape) if tsd is not None else None}), "
-                f"a different tensor than the destination {describe(base)} (root {describe(value_root(base))}, "
-                f"{tb.dtype} {list(tb.shape)})")
+        raise NearMiss(f"source slices {describe(sliced)} (root {describe(value_root(sliced))}, "
+                       f"{tsd.dtype if tsd is not None else None} {list(tsd.shape) if tsd is not None else None}), "
+                       f"a different tensor than the destination {describe(base)} (root {describe(value_root(base))}, "
+                       f"{tb.dtype} {list(tb.shape)})")
     ndim = tb.dim()
     if sl_target is aten.slice.Tensor:
         mine, theirs = slice_params(scatter, 2), slice_params(sl, 1)
         size = tb.shape[norm_dim(mine[0], ndim)] if ndim else None
         if not same_range(mine, theirs, ndim, size):
-            return (f"different ranges: the write covers (dim, start, end, step) = {_fmt(mine)}, the source was "
-                    f"read from {_fmt(theirs)}")
+            raise NearMiss(f"different ranges: the write covers (dim, start, end, step) = {_fmt(mine)}, the source "
+                           f"was read from {_fmt(theirs)}")
     else:
         mine, theirs = (scatter.args[2], scatter.args[3]), (sl.args[1], sl.args[2])
         size = tb.shape[norm_dim(mine[0], ndim)] if ndim else None
         if not same_index(mine, theirs, ndim, size):
-            return f"different positions: the write goes to (dim, index) = {_fmt(mine)}, the source is {_fmt(theirs)}"
+            raise NearMiss(f"different positions: the write goes to (dim, index) = {_fmt(mine)}, the source is "
+                           f"{_fmt(theirs)}")
     root = value_root(base)
     mutator = mutated_before(root, scatter)
     if mutator is not None:
-        return f"{describe(root)} is mutated by {describe(mutator)} before the write-back"
-    return None
+        raise NearMiss(f"{describe(root)} is mutated by {describe(mutator)} before the write-back")
 
 
 def _fmt(params: tuple) -> str:
     return "(" + ", ".join(str(sym_value(p)) for p in params) + ")"
 
 
-class RopeCopyElision:
+class RopeCopyElision(GraphPass):
     name = "rope_copy_elision"
 
-    def __call__(self, graph: torch.fx.Graph, ctx: PassContext | None = None) -> PassResult:
-        result = PassResult()
+    def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
         for node in list(graph.nodes):
             if node.graph is not graph or node.op != "call_function":
                 continue
             if node.target in SCATTERS:
-                reason = check_writeback(node)
-                if reason is None:
-                    base = node.args[0]
-                    node.replace_all_uses_with(base)
-                    erase_dead(graph, [node])
-                    result.matched += 1
-                elif _looks_like_writeback(node):
-                    result.miss(node, reason)
+                yield node
             elif is_op(node, aten.copy.default) and not any(u.target in SCATTERS for u in node.users) \
                     and same_value(node.args[1], node.args[0]) and mutated_before(value_root(node.args[0]), node) is None:
-                # ``dst.copy_(src)`` of a whole tensor whose source is the destination's own value
-                node.replace_all_uses_with(node.args[0])
-                erase_dead(graph, [node])
-                result.matched += 1
-        return result
+                yield node  # ``dst.copy_(src)`` of a whole tensor whose source is the destination's own value
 
+    def reported(self, node: torch.fx.Node, miss: NearMiss) -> bool:
+        return _looks_like_writeback(node)
 
-PASS = RopeCopyElision()
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext | None) -> None:
+        if node.target in SCATTERS:
+            check_writeback(node)
+        node.replace_all_uses_with(node.args[0])
+        erase_dead(graph, [node])

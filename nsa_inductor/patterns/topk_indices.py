@@ -1,23 +1,12 @@
-"""Replaces the indexer's top-k selection with one ``nsa.topk_indices`` kernel.
+"""The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see ``search`` / ``replacement`` below).
 
-Eager spelling (decode; prefill subtracts each token's sequence start)::
-
-    values, indices = torch.topk(logits, k, dim=-1)
-    indices = indices - offset[:, None]                      # optional
-    indices.masked_fill(values == float("-inf"), -1).to(torch.int32)
-
-In the post-grad graph: ``topk -> getitem 0 / 1``, ``eq(values, -inf)``, optional ``sub(indices, unsqueeze(offset,
-1))``, ``where(eq, -1, indices)``, ``convert_element_type(int32)``. On CUDA, ATen's radix top-k is about 23 kernel
-launches per call; the replacement is one. When the logits come from an ``nsa`` logits op, the op's own mask proves
-every column past a row's last visible key is -inf, so the kernel scans only those columns (``lengths``).
-
-What the replacement changes: the order of the indices within a row (column order, ties at the k-th value last,
-instead of descending value). The indexer's consumers (sparse attention gathers) use the indices as a set, which is
-what DESIGN §4 specifies; a program that needs eager's order turns the pass off with
-``nsa.disable_passes=["topk_indices"]``. Ties at the k-th value may pick different (equally valid) columns.
-
-Near misses (reported): ``largest=False``, a dim other than the last, logits that are not 2-D fp32, the values used
-for anything but the ``== -inf`` test, a fill other than -1, an offset that is not one value per row.
+Matches ``torch.topk`` over the last dim of 2-D fp32 logits whose values are used only for the ``== -inf`` test
+and whose indices (minus an optional per-row offset) get -1 there; int32 or int64 result.
+Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
+mask bounds each row's scan (``lengths``). The indices come in column order, not descending value order: the
+consumers use them as a set (DESIGN §4); ``nsa.disable_passes=["topk_indices"]`` keeps eager's order.
+Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
+``== -inf`` test, a fill other than -1, an offset that is not one value per row.
 """
 
 from __future__ import annotations
@@ -28,15 +17,22 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..pass_manager import PassContext, PassResult
-from .graph_utils import VIEW_OPS, as_int, erase_dead, insert_call, is_op, norm_dim, tensor_val
+from .base import GraphPass, NearMiss, PassContext
+from .fx_utils import VIEW_OPS, arg, as_int, erase_dead, insert_call, is_op, norm_dim, tensor_val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+def search(logits: torch.Tensor, offset: torch.Tensor, k: int) -> torch.Tensor:
+    """The eager idiom (decode has no offset; prefill subtracts each token's sequence start)."""
+    values, indices = torch.topk(logits, k, dim=-1)
+    indices = indices - offset[:, None]
+    return indices.masked_fill(values == float("-inf"), -1).to(torch.int32)
+
+
+def replacement(logits: torch.Tensor, offset: torch.Tensor, k: int, lengths: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.nsa.topk_indices(logits, k, lengths, offset)
 
 
 def _outputs(topk: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node | None]:
@@ -94,64 +90,55 @@ def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | No
     return insert_call(graph, aten.reshape.default, (per_step, [-1]))
 
 
-def match_topk(topk: torch.fx.Node) -> tuple[dict[str, Any] | None, str]:
-    """The pieces of the idiom anchored at ``topk``, or ``None`` and the reason it is not the idiom."""
+def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
+    """The pieces of the idiom anchored at ``topk``; :class:`NearMiss` with the reason it is not the idiom."""
     logits = topk.args[0]
     fake = tensor_val(logits)
     if fake is None or fake.dim() != 2 or fake.dtype != torch.float32:
-        return None, f"logits must be 2-D fp32, got {None if fake is None else (fake.dtype, list(fake.shape))}"
-    if norm_dim(_arg(topk, 2, "dim", -1), 2) != 1:
-        return None, "top-k over a dim other than the last"
-    if not _arg(topk, 3, "largest", True):
-        return None, "largest=False"
+        raise NearMiss(f"logits must be 2-D fp32, got {None if fake is None else (fake.dtype, list(fake.shape))}")
+    if norm_dim(arg(topk, 2, "dim", -1), 2) != 1:
+        raise NearMiss("top-k over a dim other than the last")
+    if not arg(topk, 3, "largest", True):
+        raise NearMiss("largest=False")
     values, indices = _outputs(topk)
     if values is None or indices is None or len(topk.users) != 2:
-        return None, "top-k values or indices unused, or used twice"
+        raise NearMiss("top-k values or indices unused, or used twice")
     test = _only_user(values)
     if not (is_op(test, aten.eq.Scalar) and test.args[0] is values and test.args[1] == float("-inf")):
-        return None, "the values are used for something other than the == -inf test"
+        raise NearMiss("the values are used for something other than the == -inf test")
     fill = _only_user(test)
     if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[1])):
-        return None, "the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))"
+        raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))")
     chosen, offset = fill.args[2], None
     if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1 \
             and chosen.kwargs.get("alpha", 1) == 1:
         offset = _row_offset(chosen.args[1], fake.shape[0])
         if offset is None:
-            return None, f"indices minus {chosen.args[1]}: not one integer offset per row"
+            raise NearMiss(f"indices minus {chosen.args[1]}: not one integer offset per row")
     elif chosen is not indices:
-        return None, f"the -1 fill applies to {chosen}, not to the top-k indices (minus a row offset)"
+        raise NearMiss(f"the -1 fill applies to {chosen}, not to the top-k indices (minus a row offset)")
     if len(indices.users) != 1:
-        return None, "the top-k indices have other users"
+        raise NearMiss("the top-k indices have other users")
     result = _only_user(fill)
     if is_op(result, prims.convert_element_type.default) and result.args[1] == torch.int32:
-        return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": result, "int64": False}, ""
-    return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": fill, "int64": True}, ""
+        return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": result, "int64": False}
+    return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": fill, "int64": True}
 
 
-class TopkIndices:
+class TopkIndices(GraphPass):
     name = "topk_indices"
 
-    def __call__(self, graph: torch.fx.Graph, ctx: PassContext | None = None) -> PassResult:
-        result = PassResult()
-        for topk in list(graph.nodes):
-            if not is_op(topk, aten.topk.default):
-                continue
-            found, reason = match_topk(topk)
-            if found is None:
-                result.miss(topk, reason)
-                continue
-            replaced = found["replace"]
-            with graph.inserting_before(replaced):
-                lengths = _lengths(graph, found["logits"])
-                new = insert_call(graph, torch.ops.nsa.topk_indices.default,
-                                  (found["logits"], found["k"], lengths, found["offset"]))
-                if found["int64"]:
-                    new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
-            replaced.replace_all_uses_with(new)
-            erase_dead(graph, [replaced])
-            result.matched += 1
-        return result
+    def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
+        return [n for n in graph.nodes if is_op(n, aten.topk.default)]
 
-
-PASS = TopkIndices()
+    def rewrite(self, graph: torch.fx.Graph, topk: torch.fx.Node, ctx: PassContext | None) -> None:
+        found = match_topk(topk)
+        replaced = found["replace"]
+        with graph.inserting_before(replaced):
+            lengths = _lengths(graph, found["logits"])
+            new = insert_call(graph, torch.ops.nsa.topk_indices.default,
+                              (found["logits"], found["k"], lengths, found["offset"]))
+            if found["int64"]:
+                new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
+        replaced.replace_all_uses_with(new)
+        erase_dead(graph, [replaced])

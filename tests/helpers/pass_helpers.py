@@ -32,6 +32,16 @@ def pass_entry(graph_dir: pathlib.Path, name: str) -> dict:
     return entry
 
 
+def near_miss_reasons(dump_dir: pathlib.Path, name: str) -> list[str]:
+    """The near-miss reasons pass ``name`` reported over every graph under ``dump_dir``; it must not have fired."""
+    reasons = []
+    for g in graph_dirs(dump_dir):
+        entry = pass_entry(g, name)
+        assert entry["matched"] == 0, f"{name} fired on {g}"
+        reasons += [m["reason"] for m in entry["near_misses"]]
+    return reasons
+
+
 def pass_graphs(graph_dir: pathlib.Path, name: str) -> tuple[str, str]:
     """Source of the graph just before and just after pass ``name``."""
     (before,) = graph_dir.glob(f"*_{name}.before.py")

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nsa_inductor.patterns import searchsorted_offset
+from nsa_inductor.patterns.searchsorted_offset import SearchsortedOffset
 from helpers import pass_helpers
 from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
-PASS = searchsorted_offset.PASS
 
 
 def count_clones(gm) -> int:
@@ -21,12 +21,8 @@ def count_clones(gm) -> int:
 
 
 def run_pass(fn, *args):
-    result, before, after, removed = pass_helpers.run_pass(PASS, count_clones, fn, *args)
+    result, before, after, removed = pass_helpers.run_pass(SearchsortedOffset(), count_clones, fn, *args)
     return result, before, after, -removed
-
-
-def token_to_sequence(cu_seqlens, token):
-    return torch.searchsorted(cu_seqlens[1:], token, right=True)
 
 
 @st.composite
@@ -67,7 +63,7 @@ def test_compiled_prefill_token_map_equals_eager():
     """The spelling the indexers use, through the whole backend: one clone in the graph, results as eager."""
     def fn(cu_seqlens):
         token = torch.arange(int(cu_seqlens.shape[0]) * 4, device=cu_seqlens.device)
-        seq = token_to_sequence(cu_seqlens, token)
+        seq = searchsorted_offset.search(cu_seqlens, token)  # the idiom the pass declares
         return seq, cu_seqlens[seq.clamp(max=cu_seqlens.shape[0] - 1)]
 
     compiled, dump_dir = compile_with_dumps(fn, {"nsa.disable_passes": ["head_gate_gemm"]}, dynamic=False)

@@ -9,9 +9,8 @@ import torch
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import prefill_batch
-from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
-from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
-from test_pass_paged_mqa_logits import misses, other
+from helpers.models import CONFIGS, LAYOUTS, batches, compiled, other
+from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, near_miss_reasons, pass_entry, pass_graphs
 
 NAME = "ragged_mqa_logits"
 
@@ -107,5 +106,5 @@ def test_does_not_fire_on_lookalikes(variant):
     options = {"nsa.layout": compiled_layout, "nsa.page_size": c_layout.page_size, "nsa.dump_dir": str(dump_dir)}
     compiled_fn = torch.compile(model.prefill, backend="nsa_rocm", options=options)
     assert_matches_eager(model.prefill, compiled_fn, prefill_batch(config, layout, [9, 17, 1], padding_tokens=3, seed=3))
-    reasons = misses(dump_dir, NAME)
+    reasons = near_miss_reasons(dump_dir, NAME)
     assert reasons and any(words in r for r in reasons), reasons

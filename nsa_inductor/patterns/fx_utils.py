@@ -1,5 +1,6 @@
-"""Small FX helpers shared by the passes: op tests, view-chain walking, node insertion with fake metadata, and
-evaluating an index subgraph on probe inputs (to check what an expression computes, whatever its spelling)."""
+"""FX helpers shared by the passes: op tests, argument reads, the view-op set and the one view-chain walker, node
+insertion with fake metadata, reshape/replace, symbolic-size proofs, and evaluating an index sub-graph on probe
+inputs (to check what an expression computes, whatever its spelling)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,22 @@ from typing import Any, Callable
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch._inductor.pattern_matcher import get_arg_value
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_map
+
+from .base import NearMiss
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-# Ops that only re-index the same elements (no copy of values in a functional graph).
+# The view ops: the same elements in the same row-major order, on the same storage (no copy of values).
 VIEW_OPS = (
     aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.alias.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints,
 )
+# Copies that hold the same elements in the same row-major order (in a fresh buffer).
+VALUE_COPIES = (aten.clone.default, aten.contiguous.default)
 
 
 def is_op(node: Any, *targets: Any) -> bool:
@@ -32,6 +39,52 @@ def is_op(node: Any, *targets: Any) -> bool:
         if node.target is target or getattr(node.target, "overloadpacket", None) is target:
             return True
     return False
+
+
+def arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` of a call, or its keyword ``name``, or ``default`` when neither is given (or it is None)."""
+    value = get_arg_value(node, index, name)
+    return default if value is None else value
+
+
+def walk_back(node: Any, step: Callable[[torch.fx.Node], Any]) -> tuple[Any, list[torch.fx.Node]]:
+    """Follow ``step`` (a node -> the node it re-reads, or ``None``) back from ``node``: ``(root, chain)``, the chain
+    ordered from the root outwards (without the root)."""
+    chain = []
+    while isinstance(node, torch.fx.Node):
+        nxt = step(node)
+        if not isinstance(nxt, torch.fx.Node):
+            break
+        chain.append(node)
+        node = nxt
+    return node, chain[::-1]
+
+
+def view_chain(node: Any, ops: tuple = VIEW_OPS) -> tuple[Any, list[torch.fx.Node]]:
+    """``walk_back`` through ``ops`` (each re-reads its first argument)."""
+    return walk_back(node, lambda n: n.args[0] if is_op(n, *ops) else None)
+
+
+def value_step(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input ``node`` holds the same elements as (in row-major order), or ``None`` if ``node`` computes: views,
+    value copies, same-dtype converts, and ``copy(dst, s)`` with ``dst`` and ``s`` of one shape and dtype."""
+    if is_op(node, *VIEW_OPS, *VALUE_COPIES):
+        return node.args[0]
+    if is_op(node, prims.convert_element_type.default):
+        src = node.args[0]
+        ts, tn = tensor_val(src), tensor_val(node)
+        return src if ts is not None and tn is not None and ts.dtype == tn.dtype else None
+    if is_op(node, aten.copy.default):
+        dst, src = node.args[0], node.args[1]
+        td, ts = tensor_val(dst), tensor_val(src)
+        if td is not None and ts is not None and td.dtype == ts.dtype and same_shape(dst, src):
+            return src
+    return None
+
+
+def value_root(node: Any) -> Any:
+    """Follow :func:`value_step` back as far as it goes."""
+    return walk_back(node, value_step)[0]
 
 
 def tensor_val(node: Any) -> torch.Tensor | None:
@@ -122,8 +175,6 @@ def sym_value(x: Any) -> Any:
 
 def _provable(a: Any, b: Any, relation: Callable[[Any, Any], Any]) -> bool:
     """``relation(a, b)`` holds for ints, SymInts or FX nodes holding SymInts, proven without adding guards."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     a, b = sym_value(a), sym_value(b)
     if a is None or b is None:
         return False
@@ -175,12 +226,8 @@ def norm_dim(dim: int, ndim: int) -> int:
 def slice_params(node: torch.fx.Node, first: int) -> tuple:
     """``(dim, start, end, step)`` of a slice (``first`` = 1) or slice_scatter (``first`` = 2), defaults filled."""
 
-    def arg(index: int, name: str, default: Any) -> Any:
-        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-    start, end = arg(first + 1, "start", None), arg(first + 2, "end", None)
-    return (arg(first, "dim", 0), 0 if start is None else start, sys.maxsize if end is None else end,
-            arg(first + 3, "step", 1))
+    return (arg(node, first, "dim", 0), arg(node, first + 1, "start", 0), arg(node, first + 2, "end", sys.maxsize),
+            arg(node, first + 3, "step", 1))
 
 
 def describe(node: Any) -> str:
@@ -207,3 +254,65 @@ def erase_dead(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
         inputs = node.all_input_nodes
         graph.erase_node(node)
         stack.extend(inputs)
+
+
+def size_arg(graph: torch.fx.Graph, size: Any, sources: list[torch.fx.Node]) -> Any:
+    """``size`` as an int, or a ``sym_size`` node of one of ``sources`` (or a SymInt placeholder) holding it."""
+    if isinstance(size, int):
+        return size
+    for node in sources:
+        v = val(node)
+        if isinstance(v, torch.SymInt) and statically_known_true(v == size):
+            return node
+        if isinstance(v, torch.Tensor):
+            for dim, s in enumerate(v.shape):
+                if statically_known_true(s == size):
+                    return insert_call(graph, aten.sym_size.int, (node, dim))
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(val(node), torch.SymInt) and statically_known_true(val(node) == size):
+            return node
+    raise NearMiss(f"cannot express the symbolic size {size} from the graph inputs")
+
+
+def as_dtype(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    if val(node).dtype == dtype:
+        return node
+    return insert_call(graph, prims.convert_element_type.default, (node, dtype))
+
+
+def reshape(graph: torch.fx.Graph, node: torch.fx.Node, shape: list[Any]) -> torch.fx.Node:
+    v = val(node)
+    if all(isinstance(s, int) and s >= 0 for s in shape) and list(v.shape) == shape:
+        return node
+    return insert_call(graph, aten.reshape.default, (node, shape))
+
+
+def replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, known: tuple = ()) -> None:
+    """Point the users of ``old`` at ``new`` (reshaped to old's shape), then drop what became dead.
+
+    ``known``: ``(size, node-or-int)`` pairs already in the graph, used for symbolic sizes of old's shape."""
+    out_shape = list(val(old).shape)
+    if list(val(new).shape) != out_shape:
+        sizes = [s if isinstance(s, int) else None for s in out_shape]
+        if sizes.count(None) > 1:
+            sources = [n for n in graph.nodes if n.op == "placeholder"]
+            unknown = []
+            for i, s in enumerate(sizes):
+                if s is None:
+                    hit = [n for size, n in known if not isinstance(size, int) and statically_known_true(size == out_shape[i])]
+                    if hit:
+                        sizes[i] = hit[0]
+                        continue
+                    try:
+                        sizes[i] = size_arg(graph, out_shape[i], sources)
+                    except NearMiss:
+                        unknown.append(i)
+            if len(unknown) > 1:
+                raise NearMiss(f"cannot express the logits shape {out_shape} from the graph inputs")
+            for i in unknown:
+                sizes[i] = -1
+        else:
+            sizes = [-1 if s is None else s for s in sizes]
+        new = insert_call(graph, aten.reshape.default, (new, sizes))
+    old.replace_all_uses_with(new)
+    erase_dead(graph, [old])

@@ -4,14 +4,30 @@ import re
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nsa_inductor.patterns import topk_indices
+from nsa_inductor.patterns.topk_indices import TopkIndices
 from helpers import pass_helpers
-from helpers.ops64 import HYP, TOPK_CASES, eager_topk_rows, topk_case, topk_logits
 
-PASS = topk_indices.PASS
 INF = float("-inf")
+HYP = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def masked_logits(rows: int, cols: int, inf: float, seed: int) -> torch.Tensor:
+    """Distinct values (no ties at the k-th value), about a fraction ``inf`` of them -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randperm(rows * cols, generator=gen).float().view(rows, cols)
+    return torch.where(torch.rand(rows, cols, generator=gen) < inf, INF, values)
+
+
+@st.composite
+def topk_cases(draw):
+    rows, cols = draw(st.integers(1, 5)), draw(st.integers(1, 80))
+    logits = masked_logits(rows, cols, draw(st.sampled_from([0, 0.3, 1.0])), draw(st.integers(0, 99)))
+    offset = torch.tensor(draw(st.lists(st.integers(0, 4), min_size=rows, max_size=rows)))
+    return logits, draw(st.integers(0, cols)), offset
 
 
 def count_topk(gm) -> int:
@@ -19,7 +35,7 @@ def count_topk(gm) -> int:
 
 
 def run_pass(fn, *args):
-    return pass_helpers.run_pass(PASS, count_topk, fn, *args)
+    return pass_helpers.run_pass(TopkIndices(), count_topk, fn, *args)
 
 
 def indexer_topk(logits, k):
@@ -43,16 +59,16 @@ def as_rows(t: torch.Tensor) -> list[list[int]]:
 
 
 @HYP
-@given(**TOPK_CASES)
-def test_fires_and_keeps_the_sets(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
-    logits, k, _, offset = topk_case(rows, cols, k_frac, inf, False, True, seed)
+@given(topk_cases())
+def test_fires_and_keeps_the_sets(case):
+    logits, k, offset = case
     for fn, args in ((lambda x: indexer_topk(x, k), (logits,)),
                      (lambda x, o: indexer_topk_with_offset(x, o, k), (logits, offset)),
+                     (lambda x, o: topk_indices.search(x, o, k), (logits, offset)),
                      (lambda x, o: where_spelling_int64(x, o, k), (logits, offset))):
         result, before, after, removed = run_pass(fn, *args)
         assert (result.matched, removed) == (1, 1), result.near_misses
         assert after.dtype == before.dtype and as_rows(after) == as_rows(before)
-    assert as_rows(before) == eager_topk_rows(logits, k, None, offset)
 
 
 def topk_logits_small():
@@ -128,7 +144,7 @@ def test_one_compile_serves_every_row_count():
 
     compiled, dump_dir = compile_with_dumps(lambda x: indexer_topk(x, 5), dynamic=True)
     for rows in (3, 17, 300):
-        logits = topk_logits(rows, 40, 0.3, seed=rows)
-        assert as_rows(compiled(logits)) == eager_topk_rows(logits, 5)
+        logits = masked_logits(rows, 40, 0.3, seed=rows)
+        assert as_rows(compiled(logits)) == as_rows(indexer_topk(logits, 5))
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "topk_indices")["matched"] == 1

@@ -10,20 +10,20 @@ from hypothesis import strategies as st
 
 from nsa_inductor.indexer import Indexer, IndexerConfig, apply_rope
 from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.patterns.rope_copy_elision import RopeCopyElision
 from nsa_inductor.patterns import rope_copy_elision
 from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.other_indexer import OtherIndexer
 from helpers import pass_helpers
 from helpers.pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 
-PASS = rope_copy_elision.PASS
 # Only the pass under test (and Inductor) rewrite: the other passes are tested in their own files.
 ONLY_THIS = {"nsa.disable_passes": ["quant_cache_store", "paged_mqa_logits", "ragged_mqa_logits", "empty_logits_buffer"],
-             "nsa.head_gate_bf16": False}
+             "nsa.head_gate_mode": "off"}
 
 
 def run_pass(fn, *args):
-    return pass_helpers.run_pass(PASS, count_scatters, fn, *args)
+    return pass_helpers.run_pass(RopeCopyElision(), count_scatters, fn, *args)
 
 
 def count_scatters(gm) -> int:

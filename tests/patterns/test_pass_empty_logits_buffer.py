@@ -8,17 +8,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import nsa_inductor.lowering  # noqa: F401  registers torch.ops.nsa
+import nsa_inductor  # noqa: F401  registers torch.ops.nsa
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
-from nsa_inductor.patterns import empty_logits_buffer
+from nsa_inductor.patterns.empty_logits_buffer import EmptyLogitsBuffer
 from nsa_inductor.workload import decode_batch
 from helpers.other_indexer import OtherIndexer
 from helpers import pass_helpers
 from helpers.pass_helpers import assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
 from helpers.reference64 import assert_logits_close
 
-PASS = empty_logits_buffer.PASS
 INF = float("-inf")
 CONFIG = IndexerConfig.deepseek_v32().small()
 LAYOUT = KCacheLayout(16)
@@ -27,7 +26,7 @@ ONLY_THIS = {"nsa.layout": "paged", "nsa.page_size": 16,
 
 
 def run_pass(fn, *args):
-    return pass_helpers.run_pass(PASS, count_fills, fn, *args)
+    return pass_helpers.run_pass(EmptyLogitsBuffer(), count_fills, fn, *args)
 
 
 def count_fills(gm) -> int:
@@ -182,9 +181,9 @@ def compiled_indexer(which, passes):
     model.reset_parameters(torch.Generator().manual_seed(0))
     if which == "other":
         model = OtherIndexer(CONFIG, LAYOUT.page_size).load_from(model)
-    options = {"nsa.layout": "paged", "nsa.page_size": 16, "nsa.head_gate_bf16": False}
+    options = {"nsa.layout": "paged", "nsa.page_size": 16, "nsa.head_gate_mode": "off"}
     if passes == "only_this":
-        options = {**ONLY_THIS, "nsa.head_gate_bf16": False}
+        options = {**ONLY_THIS, "nsa.head_gate_mode": "off"}
     compiled_fn, dump_dir = compile_with_dumps(model.decode, options)
     return model.decode, compiled_fn, dump_dir
 

@@ -12,10 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import decode_batch
-from helpers.other_indexer import OtherIndexer
-from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.models import CONFIGS, LAYOUTS, batches, compiled, other
+from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, near_miss_reasons, pass_entry, pass_graphs
 from helpers.reference64 import assert_logits_close
-from test_compiled_indexer import CONFIGS, LAYOUTS, batches, compiled
 
 NAME = "paged_mqa_logits"
 OP = "nsa.paged_mqa_logits"
@@ -34,17 +33,8 @@ def assert_fired(dump_dir: pathlib.Path, name=NAME, op=OP):
         assert count_ops(after, "aten.bmm") == 0 and count_ops(after, "aten.relu") == 0
 
 
-def misses(dump_dir: pathlib.Path, name=NAME) -> list[str]:
-    reasons = []
-    for g in graph_dirs(dump_dir):
-        entry = pass_entry(g, name)
-        assert entry["matched"] == 0, f"{name} fired on {g}"
-        reasons += [m["reason"] for m in entry["near_misses"]]
-    return reasons
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# positive: reference indexer (shares the compiled models of test_compiled_indexer), both next_n, dynamic T
+# positive: reference indexer (shares the compiled models of helpers.models), both next_n, dynamic T
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -58,19 +48,6 @@ def test_fires_on_reference_decode(config_name, layout_name):
         assert_matches_eager(eager_fn, compiled_fn, batch)
     assert len(graph_dirs(dump_dir)) >= 2
     assert_fired(dump_dir)
-
-
-@functools.cache
-def other(layout_name: str, entry: str):
-    layout = LAYOUTS[layout_name]
-    config = CONFIGS["deepseek_v32"]
-    ref = Indexer(config, layout)
-    ref.reset_parameters(torch.Generator().manual_seed(0))
-    model = OtherIndexer(config, layout.page_size).load_from(ref)
-    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-other-{layout_name}-{entry}-"))
-    options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
-    fn = getattr(model, entry)
-    return fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
 
 
 @pytest.mark.parametrize("layout_name", ["flat", "paged"])
@@ -193,6 +170,6 @@ def test_does_not_fire_on_lookalikes(variant):
     compiled_fn = torch.compile(model.decode, backend="nsa_rocm", options=options)
     lens = [5, 33, 17] if next_n == 1 else [20, 40]
     assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=1))
-    reasons = misses(dump_dir)
+    reasons = near_miss_reasons(dump_dir, NAME)
     assert reasons, "no near miss recorded"
     assert any(words in r for r in reasons), reasons

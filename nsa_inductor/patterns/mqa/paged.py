@@ -1,0 +1,53 @@
+"""plain-torch paged (decode) MQA logits -> ``nsa.paged_mqa_logits``.
+
+Matches (any spelling: einsum/matmul, masked_fill/where, scale inside or outside the relu, K read by byte offsets
+or through page views), once :func:`~.proofs.analyze` proves it by probing::
+
+    slot = block_table[b, s // P] * P + s % P                       # b = row // next_n, K read at the layout's offsets
+    score = (w[row, :, None] * relu(q8[row].float() @ K8[slot].float().T) * k_scale[slot]).sum(0)
+    logits = score.masked_fill(~(s <= context_lens[b] - next_n + j), -inf)
+
+Rewrites to ``nsa.paged_mqa_logits(q8 [B, next_n, H, 128], cache, w [B*next_n, H], context_lens, block_table,
+max_len, P, preshuffle)`` reshaped to the shape the consumers expected.
+Never: a mask, layout, head axis or weight indexing that is not proven (reported as a near miss).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ...layout import HEAD_DIM
+from ..fx_utils import as_dtype, insert_call, replace, reshape, size_arg, val
+from . import MqaLogitsPass
+
+
+class PagedMqaLogits(MqaLogitsPass):
+    name = "paged_mqa_logits"
+    family = "decode"
+
+    def rewrite_match(self, graph: torch.fx.Graph, m, layout) -> None:
+        bt, lens, heads = m.block_table, m.lens, m.heads
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        with graph.inserting_before(m.where):
+            batch = size_arg(graph, val(bt).shape[0], [bt])
+            max_len = val(m.where).shape[-1]
+            if not isinstance(max_len, int) and statically_known_true(max_len == val(bt).shape[1] * layout.page_size):
+                pages = size_arg(graph, val(bt).shape[1], [bt])
+                max_len = insert_call(graph, operator.mul, (pages, layout.page_size))
+            else:
+                max_len = size_arg(graph, max_len, [bt, m.q, *inputs])
+            q = reshape(graph, m.q, [batch, -1, heads, HEAD_DIM])
+            weights = reshape(graph, m.weights, [-1, heads])
+            cache = m.cache
+            if val(cache).dim() != 2 or val(cache).shape[-1] != layout.page_bytes:
+                cache = reshape(graph, cache, [-1, layout.page_bytes])
+            out = insert_call(
+                graph, torch.ops.nsa.paged_mqa_logits.default,
+                (q, cache, weights, as_dtype(graph, lens, torch.int32), as_dtype(graph, bt, torch.int32), max_len,
+                 layout.page_size, layout.preshuffle),
+            )
+            replace(graph, m.where, out, known=((val(bt).shape[0], batch), (val(m.where).shape[-1], max_len)))

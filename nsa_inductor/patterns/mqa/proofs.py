@@ -1,0 +1,426 @@
+"""Proof that a candidate ``where(mask, Σ_h w * relu(dot(q, k)) * k_scale, -inf)`` computes decode or prefill MQA
+logits, checked by probing sampled output elements ``(row, col)`` for every head and every dot index:
+
+- mask: exactly ``col <= ctx[b] - next_n + j`` (decode) or ``cu[seq(row)] <= col <= row`` (prefill);
+- head sum: a sum over one head axis of a product tree holding ``relu(dot)``, ``k_scale`` and ``weights``;
+- dot: a bmm/mm of fp8 -> fp32 upcasts of q (row ``row``, head ``h``, every dim ``d`` once) and of K;
+- weights: an fp32 ``[rows, H]`` tensor indexed ``(row, h)``;
+- K read: K's bytes and k_scale's 4 bytes at the layout's offsets of ``slot = block_table[b, s // P] * P + s % P``
+  (decode: ``b = row // next_n``, ``s = col``; prefill: key ``col`` is token ``col - cu[seq]`` of sequence ``seq``).
+Anything else raises :class:`NearMiss` with the reason (and, when known, the family it belongs to).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ...layout import HEAD_DIM, KCacheLayout
+from ...quant import FP8_DTYPES
+from ..base import NearMiss
+from ..fx_utils import arg, is_op, val, view_chain
+from .probe import INT_DTYPES, RESHAPES, Prober, Probes, bmap, follow, linear, shape_of, unravel
+
+aten = torch.ops.aten
+
+MASK_SAMPLES = 4096
+DOT_SAMPLES = 48
+WHERES = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther)
+REINDEX = RESHAPES + (aten.permute.default, aten.expand.default)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# candidates
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_neg_inf(x: Any) -> bool:
+    if isinstance(x, (int, float)):
+        return x == float("-inf")
+    if is_op(x, aten.full.default, aten.scalar_tensor.default):
+        value = x.args[1] if is_op(x, aten.full.default) else x.args[0]
+        return isinstance(value, (int, float)) and value == float("-inf")
+    return False
+
+
+def cache_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes whose bytes are a K cache: uint8 graph inputs and the values copied back into them (after a store)."""
+    leaves = set()
+    for node in graph.nodes:
+        v = val(node)
+        if node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dtype == torch.uint8:
+            leaves.add(node)
+        if is_op(node, aten.copy_.default) and node.args[0].op == "placeholder":
+            dst, src = node.args[0], node.args[1]
+            if val(dst) is not None and val(dst).dtype == torch.uint8 and isinstance(src, torch.fx.Node) \
+                    and val(src) is not None and tuple(val(src).shape) == tuple(val(dst).shape):
+                leaves.add(src)
+    return leaves
+
+
+def product_tree(node: torch.fx.Node, numel: int | None = None) -> tuple[list[torch.fx.Node], list[Any]]:
+    """Tensor factors and scalar factors of a tree of ``mul``s (through re-indexing) at full size: a smaller
+    (broadcast) mul is one factor, e.g. the weights computed as ``gates * q_scale * c``."""
+    numel = val(node).numel() if numel is None else numel
+    node = view_chain(node, REINDEX)[0]
+    if is_op(node, aten.mul.Tensor) and statically_known_true(val(node).numel() == numel):
+        tensors, scalars = [], []
+        for a in node.args[:2]:
+            if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor) and val(a).dim() > 0:
+                t, s = product_tree(a, numel)
+                tensors += t
+                scalars += s
+            else:
+                scalars.append(a)
+        return tensors, scalars
+    return [node], []
+
+
+def relu_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    if is_op(node, aten.relu.default):
+        return node.args[0]
+    if is_op(node, aten.clamp_min.default) and node.args[1] == 0:
+        return node.args[0]
+    return None
+
+
+def is_dot(node: torch.fx.Node) -> bool:
+    return is_op(node, aten.bmm.default, aten.mm.default)
+
+
+def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
+    """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not)."""
+    found = []
+    for node in graph.nodes:
+        if not is_op(node, aten.sum.dim_IntList):
+            continue
+        factors, _ = product_tree(node.args[0])
+        inner = []
+        for f in factors:
+            r = relu_input(f)
+            inner += product_tree(r)[0] if r is not None else [f]
+        if len(factors) < 2 or not any(is_dot(f) for f in inner):
+            continue
+        where = None
+        cur = node
+        while len(cur.users) == 1:
+            (user,) = cur.users
+            if is_op(user, *RESHAPES, aten.permute.default):
+                cur = user
+            elif is_op(user, *WHERES) and cur in user.args[1:] \
+                    and any(is_neg_inf(a) for a in user.args[1:] if a is not cur):
+                where = cur = user
+            else:
+                break
+        found.append((node, where))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the proofs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Match:
+    family: str  # "decode" | "prefill"
+    where: torch.fx.Node
+    q: torch.fx.Node  # fp8 q values, linear index ((row * H) + h) * 128 + d
+    weights: torch.fx.Node  # fp32, linear index row * H + h
+    heads: int
+    rows: int
+    keys: int
+    cache: torch.fx.Node | None = None
+    block_table: torch.fx.Node | None = None
+    lens: torch.fx.Node | None = None  # context_lens (decode) / cu_seqlens (prefill)
+
+
+@dataclass
+class Samples:
+    """Sampled output elements of the masked logits and what the proofs learnt about them so far."""
+
+    rows: int
+    keys: int
+    batch: int | None
+    probes: Probes
+    prober: Prober
+    row: torch.Tensor  # every sample
+    col: torch.Tensor
+    visible: torch.Tensor | None = None  # the mask at every sample
+    # the head-sum subset (``DOT_SAMPLES`` samples, each repeated for every head)
+    sum_node: torch.fx.Node | None = None
+    x: torch.fx.Node | None = None  # the summed product
+    x_coords: torch.Tensor | None = None
+    heads: int = 0
+    m: int = 0
+    s_row: torch.Tensor | None = None
+    s_col: torch.Tensor | None = None
+
+
+def sample_outputs(where: torch.fx.Node, layout: KCacheLayout, leaves: set[torch.fx.Node]
+                   ) -> tuple[Samples, torch.Tensor]:
+    """Probe inputs, and output elements at the edges, page boundaries and random (with their coordinates)."""
+    out_shape = shape_of(where)
+    if len(out_shape) < 2:
+        raise NearMiss(f"masked logits {where.name} have rank {len(out_shape)}, expected [rows, keys]")
+    keys, rows = out_shape[-1], math.prod(out_shape[:-1])
+    block_tables = [n for n in where.graph.nodes if n.op == "placeholder" and isinstance(val(n), torch.Tensor)
+                    and val(n).dtype in INT_DTYPES and val(n).dim() == 2]
+    batch = shape_of(block_tables[0])[0] if len(block_tables) == 1 else None
+    cache_pages = max([1] + [math.prod(shape_of(leaf)) // layout.page_bytes for leaf in leaves])
+    max_seq = shape_of(block_tables[0])[1] * layout.page_size if len(block_tables) == 1 else None
+    probes = Probes(batch, cache_pages, keys, torch.Generator().manual_seed(1234), max_seq)
+    n_out = rows * keys
+    if n_out <= MASK_SAMPLES:
+        lin = torch.arange(n_out)
+    else:
+        edge_cols = torch.tensor([0, 1, keys - 1] + [c for p in (layout.page_size, 16) for c in (p - 1, p, p + 1)
+                                                     if c < keys])
+        edge_rows = torch.tensor(sorted({0, rows - 1, rows // 2}))
+        edges = (edge_rows[:, None] * keys + edge_cols[None, :]).flatten()
+        lin = torch.cat([edges, torch.randint(0, n_out, (MASK_SAMPLES,), generator=probes.gen)])
+    s = Samples(rows, keys, batch, probes, Prober(probes, leaves), lin // keys, lin % keys)
+    return s, unravel(lin, out_shape)
+
+
+def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords: torch.Tensor) -> torch.Tensor:
+    """Evaluate the -inf wheres between ``where`` and the head sum (``s.visible``); the coordinates at the sum."""
+    s.visible = torch.ones(coords.shape[0], dtype=torch.bool)
+    cur, cur_coords = where, coords
+    while cur is not sum_node:
+        if is_op(cur, *WHERES):
+            cond, a, b = cur.args
+            keep_self = not is_neg_inf(a)
+            cond_val = s.prober.value(cond, bmap(cur_coords, shape_of(cond))).bool()
+            s.visible &= cond_val if keep_self else ~cond_val
+            nxt = a if keep_self else b
+            cur, cur_coords = nxt, bmap(cur_coords, shape_of(nxt))
+        cur, cur_coords = follow(cur, cur_coords)
+        if cur is not sum_node and not is_op(cur, *WHERES):
+            raise NearMiss(f"between the mask and the head sum: {cur.name} ({cur.target})")
+    return cur_coords
+
+
+def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor) -> None:
+    """One summed (head) axis of static size; picks the dot samples and their coordinates in the summed product."""
+    x, dims, keepdim = sum_node.args[0], sum_node.args[1], arg(sum_node, 2, "keepdim", False)
+    x_shape = shape_of(x)
+    if dims is None or len(dims) != 1:
+        raise NearMiss(f"{sum_node.name} reduces {dims}, expected exactly one (head) axis")
+    red = dims[0] % len(x_shape)
+    heads = x_shape[red]
+    if not isinstance(val(x).shape[red], int):
+        raise NearMiss("the summed axis has a symbolic size")
+    n = s.row.shape[0]
+    m = min(DOT_SAMPLES, n)
+    pick = torch.cat([torch.arange(min(8, m)), torch.randperm(n, generator=s.probes.gen)[: m - min(8, m)]])
+    base = sum_coords[pick].repeat_interleave(heads, 0)
+    hcol = torch.arange(heads).repeat(m)[:, None]
+    if keepdim:
+        base[:, red] = hcol[:, 0]
+        x_coords = base
+    else:
+        x_coords = torch.cat([base[:, :red], hcol, base[:, red:]], 1)
+    s.sum_node, s.x, s.x_coords, s.heads, s.m = sum_node, x, x_coords, heads, m
+    s.s_row, s.s_col = s.row[pick].repeat_interleave(heads), s.col[pick].repeat_interleave(heads)
+
+
+def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, bool]]]:
+    """The product is ``relu(dot * ...) * ...`` with one relu and one dot: ``(dot, [(other factor, inside relu)])``."""
+    factors, scalars = product_tree(x)
+    if scalars:
+        raise NearMiss(f"scalar factor(s) {scalars} in the head-sum product")
+    relus = [f for f in factors if relu_input(f) is not None]
+    if not relus:
+        raise NearMiss("no relu on the q·k scores")
+    if len(relus) > 1:
+        raise NearMiss("more than one relu factor in the head-sum product")
+    inner, inner_scalars = product_tree(relu_input(relus[0]))
+    if inner_scalars:
+        raise NearMiss(f"scalar factor(s) {inner_scalars} inside the relu")
+    dots = [f for f in inner if is_dot(f)]
+    if len(dots) != 1:
+        raise NearMiss(f"{len(dots)} bmm/mm factors inside the relu, expected one")
+    return dots[0], [(f, False) for f in factors if f is not relus[0]] + [(f, True) for f in inner if f is not dots[0]]
+
+
+def factor_coords(s: Samples, target: torch.fx.Node) -> torch.Tensor:
+    """The head-sum samples' coordinates carried down to ``target`` (a factor) through the mul tree and re-indexing."""
+
+    def walk(node, c):
+        if node is target:
+            return c
+        node2, c2 = follow(node, c)
+        if node2 is target:
+            return c2
+        if is_op(node2, aten.mul.Tensor):
+            for a in node2.args[:2]:
+                if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor):
+                    r = walk(a, bmap(c2, shape_of(a)))
+                    if r is not None:
+                        return r
+        r_in = relu_input(node2)
+        return walk(r_in, c2) if r_in is not None else None
+
+    found = walk(s.x, s.x_coords)
+    if found is None:
+        raise NearMiss(f"could not trace {target.name} in the product")
+    return found
+
+
+@dataclass
+class DotProof:
+    q: torch.fx.Node  # the fp8 q tensor
+    k: tuple  # (source, coords, transforms) K's elements are read from
+    d: torch.Tensor  # [samples, HEAD_DIM] q dim of each contraction index
+    head: torch.Tensor  # [samples] q head of each sample
+
+
+def prove_dot(s: Samples, dot: torch.fx.Node, leaves: set[torch.fx.Node]) -> DotProof:
+    """One operand is ``q[row, h, :]`` upcast from fp8, every dim once; the other is K (located, not yet proven)."""
+    dot_c = factor_coords(s, dot)
+    k_dim = shape_of(dot.args[0])[-1]
+    if k_dim != HEAD_DIM:
+        raise NearMiss(f"the dot contracts {k_dim} elements, expected {HEAD_DIM}")
+    n = dot_c.shape[0]
+    kk = torch.arange(k_dim).repeat(n)
+    dc = dot_c.repeat_interleave(k_dim, 0)
+    if is_op(dot, aten.bmm.default):
+        a_c, b_c = torch.stack([dc[:, 0], dc[:, 1], kk], 1), torch.stack([dc[:, 0], kk, dc[:, 2]], 1)
+    else:
+        a_c, b_c = torch.stack([dc[:, 0], kk], 1), torch.stack([kk, dc[:, 1]], 1)
+    operands = [s.prober.locate(dot.args[0], a_c), s.prober.locate(dot.args[1], b_c)]
+    row_k, heads = s.s_row.repeat_interleave(k_dim), s.heads
+    for qi in (0, 1):
+        q_leaf, q_c, q_tr = operands[qi]
+        if q_leaf in leaves or q_tr != [("convert", val(q_leaf).dtype, torch.float32)] or \
+                val(q_leaf).dtype not in FP8_DTYPES or math.prod(shape_of(q_leaf)) != s.rows * heads * HEAD_DIM:
+            continue
+        q_lin = linear(q_c, shape_of(q_leaf))
+        if torch.equal(q_lin // (heads * HEAD_DIM), row_k):
+            break
+    else:
+        raise NearMiss("no dot operand is an fp8 -> fp32 upcast of q read as q[row, h, d] (row of the logits)")
+    head = ((q_lin // HEAD_DIM) % heads).view(n, k_dim)
+    d = (q_lin % HEAD_DIM).view(n, k_dim)
+    if not torch.equal(head, head[:, :1].expand_as(head)):
+        raise NearMiss("the dot mixes q heads along its contraction")
+    if not torch.equal(d.sort(1).values, torch.arange(k_dim).expand_as(d)):
+        raise NearMiss("the dot does not contract every q dim exactly once")
+    head = head[:, 0]
+    if not torch.equal(head.view(s.m, heads).sort(1).values, torch.arange(heads).expand(s.m, heads)):
+        raise NearMiss(f"{s.sum_node.name} does not sum over the head axis")
+    return DotProof(q_leaf, operands[1 - qi], d, head)
+
+
+def prove_weights(s: Samples, weights: list[tuple], head: torch.Tensor) -> torch.fx.Node:
+    """One fp32 ``[rows, H]`` factor outside the relu, read at ``(row, h)``."""
+    if len(weights) != 1:
+        raise NearMiss(f"{len(weights)} per-head weight factors, expected one")
+    _, w_inside, (w_leaf, w_c, w_tr) = weights[0]
+    if w_inside:
+        raise NearMiss("the head weights are applied inside the relu")
+    if w_tr or val(w_leaf).dtype != torch.float32 or math.prod(shape_of(w_leaf)) != s.rows * s.heads:
+        raise NearMiss(f"weights {w_leaf.name} are not an fp32 [rows={s.rows}, H={s.heads}] tensor")
+    if not torch.equal(linear(w_c, shape_of(w_leaf)), s.s_row * s.heads + head):
+        raise NearMiss("weights are not applied per (row, head)")
+    return w_leaf
+
+
+def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], dot: DotProof, scale: tuple,
+                 match: Match) -> tuple[set[str], list[str]]:
+    """K and k_scale read from one cache at the layout's offsets of a block-table slot: the families whose address
+    form fits (a lone sequence from 0 fits both), and the reasons when none does."""
+    (k_leaf, k_c, k_tr), (s_leaf, s_c, s_tr) = dot.k, scale
+    fp8, k_dim, P = val(dot.q).dtype, HEAD_DIM, layout.page_size
+    k_cached = k_leaf in leaves and k_tr == [("view_dtype", torch.uint8, fp8), ("convert", fp8, torch.float32)]
+    s_cached = s_leaf in leaves and s_tr == [("view_dtype", torch.uint8, torch.float32)]
+    if not (k_cached and s_cached):
+        return set(), [f"K ({k_leaf.name}: {k_tr}) / k_scale ({s_leaf.name}: {s_tr}) are not fp8/fp32 reads of "
+                       "the K cache"]
+    if k_leaf is not s_leaf:
+        raise NearMiss("K and k_scale are read from different caches")
+    if math.prod(shape_of(k_leaf)) % layout.page_bytes:
+        raise NearMiss(f"cache {k_leaf.name} {shape_of(k_leaf)} is not a whole number of {layout} pages")
+    probes = s.probes
+    bt = probes.values.get(probes.block_table)
+    if bt is None:
+        raise NearMiss("the K read does not go through a block table graph input")
+    k_addr, s_addr = linear(k_c, shape_of(k_leaf)), linear(s_c, shape_of(s_leaf))
+    bt64, d_flat = bt.long(), dot.d.flatten()
+
+    def check(slots_s: torch.Tensor) -> bool:
+        want_k = layout.value_offsets(slots_s.repeat_interleave(k_dim)).gather(1, d_flat[:, None]).squeeze(1)
+        return torch.equal(k_addr, want_k) and torch.equal(s_addr, layout.scale_offsets(slots_s)[:, 0])
+
+    families: set[str] = set()
+    if s.batch and s.rows % s.batch == 0:
+        b = s.s_row // (s.rows // s.batch)
+        page_col = (s.s_col // P).clamp(max=bt64.shape[1] - 1)
+        if torch.equal(page_col, s.s_col // P) and check(bt64[b, page_col] * P + s.s_col % P):
+            families.add("decode")
+    cu = probes.values.get(probes.cu_seqlens)
+    if cu is not None:
+        cu64 = cu.long()
+        seq = torch.searchsorted(cu64[1:], s.s_col, right=True).clamp(max=bt64.shape[0] - 1)
+        pos = s.s_col - cu64[seq]
+        if bool((pos // P < bt64.shape[1]).all()) and check(bt64[seq, pos // P] * P + pos % P):
+            families.add("prefill")
+    match.cache, match.block_table = k_leaf, probes.block_table
+    if not families:
+        return families, [f"K/k_scale are not read from the cache at the {layout} byte offsets of "
+                          "slot block_table[b, s // P] * P + s % P"]
+    return families, []
+
+
+def prove_mask(s: Samples, families: set[str], match: Match) -> tuple[str | None, list[str]]:
+    """The -inf mask is the decode or prefill visibility rule (of a family the K read allows)."""
+    allowed = families or {"decode", "prefill"}
+    family = next(iter(families)) if len(families) == 1 else None
+    probes, row, col = s.probes, s.row, s.col
+    if "decode" in allowed and probes.ctx_lens is not None and s.batch and s.rows % s.batch == 0:
+        next_n = s.rows // s.batch
+        ctx = probes.values[probes.ctx_lens].long()
+        match.lens = probes.ctx_lens
+        if not torch.equal(s.visible, col <= ctx[row // next_n] - next_n + row % next_n):
+            return "decode", ["the mask is not col <= context_lens[b] - next_n + j"]
+        return "decode", []
+    if "prefill" in allowed and probes.cu_seqlens is not None:
+        cu = probes.values[probes.cu_seqlens].long()
+        seq = torch.searchsorted(cu[1:], row, right=True)
+        match.lens = probes.cu_seqlens
+        if not torch.equal(s.visible, (col >= cu[seq]) & (col <= row)):
+            return "prefill", ["the mask is not cu_seqlens[seq[t]] <= s <= t"]
+        return "prefill", []
+    return family, ["the -inf mask does not read the context lengths / cu_seqlens of the block table's batch"
+                    if family is None or probes.ctx_lens is None and probes.cu_seqlens is None
+                    else f"the -inf mask does not fit the {family} form"]
+
+
+def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCacheLayout,
+            leaves: set[torch.fx.Node]) -> Match:
+    """Prove the candidate computes decode or prefill MQA logits; :class:`NearMiss` (with its family, when the K
+    read or the mask tells it) otherwise."""
+    if where is None:
+        raise NearMiss("the head-sum of relu(q·k) is not masked with -inf by a where/masked_fill")
+    s, coords = sample_outputs(where, layout, leaves)
+    prove_head_sum(s, sum_node, peel_mask(s, where, sum_node, coords))
+    dot, others = prove_factors(s.x)
+    located = [(f, inside, s.prober.locate(f, factor_coords(s, f))) for f, inside in others]
+    scale = [e for e in located if e[2][0] in leaves or e[2][2] == [("view_dtype", torch.uint8, torch.float32)]]
+    q = prove_dot(s, dot, leaves)
+    w = prove_weights(s, [e for e in located if e not in scale], q.head)
+    if len(scale) != 1:
+        raise NearMiss(f"{len(scale)} k_scale factors, expected one")
+    match = Match("", where, q.q, w, s.heads, s.rows, s.keys)
+    families, reasons = prove_k_read(s, layout, leaves, q, scale[0][2], match)
+    family, mask_reasons = prove_mask(s, families, match)
+    if reasons or mask_reasons:
+        raise NearMiss("; ".join(reasons + mask_reasons), family)
+    match.family = family
+    return match

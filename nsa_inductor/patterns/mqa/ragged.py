@@ -1,0 +1,65 @@
+"""plain-torch ragged causal (prefill) MQA logits -> ``nsa.gather_k`` + ``nsa.mqa_logits``.
+
+Matches, once :func:`~.proofs.analyze` proves it by probing::
+
+    seq = searchsorted(cu[1:], n, right=True); pos = n - cu[seq]    # key n is token pos of sequence seq
+    slot = block_table[seq, pos // P] * P + pos % P                 # K read at the layout's offsets
+    score = (w[t, :, None] * relu(q8[t].float() @ K8[slot].float().T) * k_scale[slot]).sum(0)
+    logits = score.masked_fill(~((cu[seq[t]] <= n) & (n <= t)), -inf)
+
+Rewrites to ``k8, k_scale = nsa.gather_k(cache, ...)``; ``nsa.mqa_logits(q8, k8, k_scale, w, ks, ke)`` with
+``ks = cu[searchsorted(cu[1:], t, right)]`` and ``ke = t + 1`` computed in the graph.
+Never: K already held in plain ``[N, 128]`` / ``[N]`` tensors (not read from the cache; not matched yet).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from ...layout import HEAD_DIM
+from ..base import NearMiss
+from ..fx_utils import as_dtype, insert_call, replace, reshape, size_arg, val
+from . import MqaLogitsPass
+
+aten = torch.ops.aten
+
+
+class RaggedMqaLogits(MqaLogitsPass):
+    name = "ragged_mqa_logits"
+    family = "prefill"
+
+    def rewrite_match(self, graph: torch.fx.Graph, m, layout) -> None:
+        cu, heads = m.lens, m.heads
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        where_shape = val(m.where).shape
+        if len(where_shape) != 2:
+            raise NearMiss(f"prefill logits {m.where.name} have shape {list(where_shape)}, expected [T, N]")
+        with graph.inserting_before(m.where):
+            tokens = size_arg(graph, where_shape[0], [m.q, m.weights, *inputs])
+            q = reshape(graph, m.q, [-1, heads, HEAD_DIM])
+            weights = reshape(graph, m.weights, [-1, heads])
+            num_keys = size_arg(graph, where_shape[1], [m.q, m.weights, *inputs])
+            cache = m.cache
+            if val(cache).dim() != 2 or val(cache).shape[-1] != layout.page_bytes:
+                cache = reshape(graph, cache, [-1, layout.page_bytes])
+            gathered = insert_call(
+                graph, torch.ops.nsa.gather_k.default,
+                (cache, as_dtype(graph, m.block_table, torch.int32), as_dtype(graph, cu, torch.int32),
+                 layout.page_size, layout.preshuffle, num_keys, val(m.q).dtype),
+            )
+            k8 = insert_call(graph, operator.getitem, (gathered, 0))
+            k_scale = insert_call(graph, operator.getitem, (gathered, 1))
+            cu64 = as_dtype(graph, cu, torch.int64)
+            token = insert_call(graph, torch.ops.prims.iota.default, (tokens,),
+                                dict(start=0, step=1, dtype=torch.int64, device=val(cu).device, requires_grad=False),
+                                cu)
+            # the searchsorted_offset pass, which runs later, gives this search a copy of the slice (torch 2.11)
+            ends = insert_call(graph, aten.slice.Tensor, (cu64, 0, 1))
+            seq = insert_call(graph, aten.searchsorted.Tensor, (ends, token), {"right": True})
+            ks = as_dtype(graph, insert_call(graph, aten.index.Tensor, (cu64, [seq])), torch.int32)
+            ke = as_dtype(graph, insert_call(graph, aten.add.Tensor, (token, 1)), torch.int32)
+            out = insert_call(graph, torch.ops.nsa.mqa_logits.default, (q, k8, k_scale, weights, ks, ke))
+            replace(graph, m.where, out)
