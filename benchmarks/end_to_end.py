@@ -108,6 +108,8 @@ def main() -> None:
                         help="nsa_rocm without the bf16 head-gate rewrite (to measure what it costs)")
     parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
                         help="comma-separated subset (default Inductor's prefill hits a torch 2.11 bug on GPUs)")
+    parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted",
+                        help="nsa.topk_order: torch's order (default) or set order (engines that use indices as a set)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -118,7 +120,7 @@ def main() -> None:
     model = Indexer(config, layout).cuda()
     model.reset_parameters(torch.Generator().manual_seed(0))
     options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size,
-               "nsa.head_gate_mode": "off" if args.no_head_gate else "split"}
+               "nsa.head_gate_mode": "off" if args.no_head_gate else "split", "nsa.topk_order": args.topk_order}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
     mode = "reduce-overhead" if args.cuda_graphs else None
     only = set(args.variants.split(","))

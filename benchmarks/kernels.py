@@ -174,6 +174,58 @@ def bench_head_gate(args, rows: list[dict]) -> None:
                      "config": str(default), "sweep": {str(c): t for c, t in results.items()}})
 
 
+def _graph_us(fn, calls: int = 20) -> float:
+    """Median GPU µs per call over replays of a CUDA graph of ``calls`` calls: no host launch cost, inputs left in
+    L2 as they are when the logits kernel has just written them."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+TOPK_CASES = [("decode", 64, 8192, None), ("decode", 8, 8192, None), ("decode", 1, 32768, None),
+              ("decode", 64, 65536, None), ("decode ~8192 valid", 64, 65536, 8192),
+              ("causal prefill", 8192, 8192, "causal")]
+
+
+def bench_topk(args, rows: list[dict]) -> None:
+    """k = 2048 over random fp32 logits (issue 10's cells): set order and sorted order against torch.topk (over
+    the masked logits where rows have lengths), CUDA-graph timing. The floor is the logits read once."""
+    tk, _ = _op("topk_indices")
+    k = 2048
+    for name, batch, width, valid in TOPK_CASES if not args.quick else TOPK_CASES[:3]:
+        logits = torch.randn(batch, width, device=DEV)
+        lengths = None
+        if valid == "causal":
+            lengths = torch.arange(1, batch + 1, dtype=torch.int32, device=DEV)
+        elif valid is not None:
+            lengths = torch.randint(valid - 512, valid + 512, (batch,), dtype=torch.int32, device=DEV)
+        cols = torch.arange(width, device=DEV)
+
+        def eager():
+            masked = logits if lengths is None else logits.masked_fill(cols >= lengths[:, None], float("-inf"))
+            return torch.topk(masked, k, dim=-1)
+
+        torch_us = None if args.no_torch else _graph_us(eager)
+        nbytes = logits.numel() * 4 + batch * k * 4
+        for order in ("set", "sorted"):
+            us = _graph_us(lambda: tk.topk_indices(logits, k, lengths, None, "neg1", order == "sorted"))
+            rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", us, torch_us, nbytes),
+                         "config": f"block {min(max(1 << (width - 1).bit_length(), 128), tk.MAX_BLOCK)}"})
+        del logits
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| kernel | case | µs | torch µs | speedup | achieved | floor µs | % of floor | config |",
@@ -199,7 +251,7 @@ def main() -> None:
     parser.add_argument("--ragged-config", action="append", metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
                         help="ragged logits config to try (repeatable; default: the kernel's)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference timings")
-    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate"], action="append",
+    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "topk"], action="append",
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -207,7 +259,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
-               "head_gate": bench_head_gate}
+               "head_gate": bench_head_gate, "topk": bench_topk}
     for name, bench in benches.items():
         if not args.only or name in args.only:
             bench(args, rows)

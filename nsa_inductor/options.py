@@ -19,6 +19,8 @@ class NsaOptions:
     - ``disable_passes``: names of passes not to run.
     - ``head_gate_mode``: the head-gate rewrite (fp32 ``weights_proj`` GEMM on bf16 inputs): ``"split"`` (W32 as
       bf16 hi + lo, the default), ``"round"`` (bf16(W), over DESIGN's 1e-3 logits contract) or ``"off"``.
+    - ``topk_order``: ``"sorted"`` (top-k indices in torch's order: descending values where the spelling sorts, the
+      default) or ``"set"`` (any order: the faster kernel, for engines that use the indices as a set).
     - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
       reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
@@ -28,6 +30,7 @@ class NsaOptions:
     page_size: int | None = None
     disable_passes: tuple[str, ...] = ()
     head_gate_mode: str = "split"
+    topk_order: str = "sorted"
     eager_layer_norm: bool = True
 
     def layout_decision(self) -> capability.LayoutDecision:
@@ -38,6 +41,7 @@ class NsaOptions:
 
 
 HEAD_GATE_MODES = ("split", "round", "off")
+TOPK_ORDERS = ("sorted", "set")
 # Keys that were renamed: the old key raises an error naming the new one.
 _RENAMED = {"head_gate_bf16": 'nsa.head_gate_mode ("split" | "round" | "off"; False was "off")'}
 
@@ -47,6 +51,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "page_size": (int, type(None)),
     "disable_passes": (tuple, list, str),
     "head_gate_mode": (str,),
+    "topk_order": (str,),
     "eager_layer_norm": (bool,),
 }
 
@@ -68,8 +73,9 @@ def parse_options(options: dict[str, Any] | None) -> tuple[NsaOptions, dict[str,
         if not isinstance(value, _TYPES[name]) or (name == "page_size" and isinstance(value, bool)):
             expected = " or ".join(t.__name__ for t in _TYPES[name])
             raise ValueError(f"option {key!r} must be {expected}, got {type(value).__name__} {value!r}")
-        if name == "head_gate_mode" and value not in HEAD_GATE_MODES:
-            raise ValueError(f"option {key!r} must be one of {', '.join(map(repr, HEAD_GATE_MODES))}, got {value!r}")
+        allowed = {"head_gate_mode": HEAD_GATE_MODES, "topk_order": TOPK_ORDERS}.get(name)
+        if allowed and value not in allowed:
+            raise ValueError(f"option {key!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         if name == "disable_passes":
             value = (value,) if isinstance(value, str) else tuple(value)
         nsa[name] = value

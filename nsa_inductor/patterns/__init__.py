@@ -32,5 +32,6 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore()]
     if options.head_gate_mode != "off":
         passes.append(HeadGateGemm(mode=options.head_gate_mode))
-    passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(), SearchsortedOffset()]
+    passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
+               SearchsortedOffset()]
     return [p for p in passes if p.name not in options.disable_passes]

@@ -1,10 +1,11 @@
-"""The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see ``search`` / ``replacement`` below).
+"""The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see ``search`` / ``search_plain`` below).
 
-Matches ``torch.topk`` over the last dim of 2-D fp32 logits whose values are used only for the ``== -inf`` test
-and whose indices (minus an optional per-row offset) get -1 there; int32 or int64 result.
+Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked idiom (values used only for the
+``== -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
+indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
-mask bounds each row's scan (``lengths``). The indices come in column order, not descending value order: the
-consumers use them as a set (DESIGN §4); ``nsa.disable_passes=["topk_indices"]`` keeps eager's order.
+mask bounds each row's scan (``lengths``). Order as torch: ``sorted=True`` (the default) gives descending values;
+``sorted=False``, or ``nsa.topk_order="set"``, the faster set order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
 ``== -inf`` test, a fill other than -1, an offset that is not one value per row.
 """
@@ -31,8 +32,15 @@ def search(logits: torch.Tensor, offset: torch.Tensor, k: int) -> torch.Tensor:
     return indices.masked_fill(values == float("-inf"), -1).to(torch.int32)
 
 
-def replacement(logits: torch.Tensor, offset: torch.Tensor, k: int, lengths: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.nsa.topk_indices(logits, k, lengths, offset)
+def search_plain(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain top-k indices: the values are not used."""
+    return torch.topk(logits, k).indices
+
+
+def replacement(logits: torch.Tensor, offset: torch.Tensor | None, k: int, lengths: torch.Tensor | None, pad: str,
+                sorted: bool) -> torch.Tensor:
+    """Both idioms: ``pad="neg1"`` for the masked one, ``"column"`` for the plain one (-inf entries keep columns)."""
+    return torch.ops.nsa.topk_indices(logits, k, lengths, offset, pad, sorted)
 
 
 def _outputs(topk: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node | None]:
@@ -100,12 +108,21 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
         raise NearMiss("top-k over a dim other than the last")
     if not arg(topk, 3, "largest", True):
         raise NearMiss("largest=False")
+    k = topk.args[1]
+    width = as_int(fake.shape[1])
+    if not isinstance(k, int) or (width is not None and k > width):
+        raise NearMiss(f"k={k} is not a constant within the row's {fake.shape[1]} columns")
+    sorted_ = arg(topk, 4, "sorted", True)
     values, indices = _outputs(topk)
-    if values is None or indices is None or len(topk.users) != 2:
-        raise NearMiss("top-k values or indices unused, or used twice")
+    if indices is None or len(topk.users) != (1 if values is None else 2):
+        raise NearMiss("top-k indices unused, or an output used twice")
+    if values is None or not values.users:
+        return {"logits": logits, "k": k, "offset": None, "replace": indices, "int64": True, "pad": "column",
+                "sorted": sorted_}
     test = _only_user(values)
     if not (is_op(test, aten.eq.Scalar) and test.args[0] is values and test.args[1] == float("-inf")):
-        raise NearMiss("the values are used for something other than the == -inf test")
+        raise NearMiss("the top-k values are used for something other than the == -inf test (the op returns "
+                       "indices only)")
     fill = _only_user(test)
     if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[1])):
         raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))")
@@ -120,13 +137,19 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
     if len(indices.users) != 1:
         raise NearMiss("the top-k indices have other users")
     result = _only_user(fill)
+    found = {"logits": logits, "k": k, "offset": offset, "pad": "neg1", "sorted": sorted_}
     if is_op(result, prims.convert_element_type.default) and result.args[1] == torch.int32:
-        return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": result, "int64": False}
-    return {"logits": logits, "k": topk.args[1], "offset": offset, "replace": fill, "int64": True}
+        return {**found, "replace": result, "int64": False}
+    return {**found, "replace": fill, "int64": True}
 
 
 class TopkIndices(GraphPass):
+    """``order``: ``"sorted"`` keeps each spelling's ``sorted`` flag (torch's semantics); ``"set"`` drops it."""
+
     name = "topk_indices"
+
+    def __init__(self, order: str = "sorted"):
+        self.order = order
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
         return [n for n in graph.nodes if is_op(n, aten.topk.default)]
@@ -136,9 +159,10 @@ class TopkIndices(GraphPass):
         replaced = found["replace"]
         with graph.inserting_before(replaced):
             lengths = _lengths(graph, found["logits"])
+            sorted_ = bool(found["sorted"]) and self.order == "sorted"
             new = insert_call(graph, torch.ops.nsa.topk_indices.default,
-                              (found["logits"], found["k"], lengths, found["offset"]))
+                              (found["logits"], found["k"], lengths, found["offset"], found["pad"], sorted_))
             if found["int64"]:
                 new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
         replaced.replace_all_uses_with(new)
-        erase_dead(graph, [replaced])
+        erase_dead(graph, [replaced, *topk.users])  # an unused values output goes too

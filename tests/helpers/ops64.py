@@ -203,6 +203,62 @@ def topk_case(rows, cols, k_frac, inf, with_lengths, with_offset, seed):
     return topk_logits(rows, cols, inf, seed), round(k_frac * cols), lengths, offset
 
 
+def assert_topk_valid(logits, got, k, lengths=None, offset=None, pad="neg1", sorted_=False) -> None:
+    """The op contract checked row by row from the definition, not from any implementation: distinct in-range
+    columns; every selected value >= every unselected one of the row's valid columns (NaN ranks highest, as in
+    torch.topk); -inf entries -1 (pad "neg1") or -inf columns (pad "column"); descending values when sorted."""
+    def rank(v):
+        return math.inf if v != v else v
+
+    assert got.dtype == torch.int32 and tuple(got.shape) == (logits.shape[0], k)
+    for r, row in enumerate(logits.tolist()):
+        n = len(row)
+        visible = n if lengths is None else max(0, min(int(lengths[r]), n))
+        value = [rank(v) if c < visible else -math.inf for c, v in enumerate(row)]
+        shift = 0 if offset is None else int(offset[r])
+        entries = got[r].tolist()
+        cols = [e + shift for e in entries if not (pad == "neg1" and e == -1)]
+        assert len(set(cols)) == len(cols) and all(0 <= c < n for c in cols), (r, entries)
+        finite = sum(v != -math.inf for v in value)
+        if pad == "neg1":
+            assert len(cols) == min(k, finite), (r, entries)
+            assert all(value[c] != -math.inf for c in cols)
+        else:
+            assert len(cols) == k
+        chosen = set(cols)
+        picked = [value[c] for c in cols]
+        rest = [v for c, v in enumerate(value) if c not in chosen]
+        if picked and rest:
+            assert min(picked) >= max(rest), (r, min(picked), max(rest))
+        if sorted_:
+            ordered = [value[c] for c in cols]
+            assert ordered == sorted(ordered, reverse=True), (r, ordered[:8])
+            if pad == "neg1":  # the -1 entries (-inf values, missing columns) come last
+                tail = entries[len(cols):]
+                assert all(e == -1 for e in tail), (r, entries)
+
+
+def adversarial_topk_logits(rows, cols, kind, seed) -> torch.Tensor:
+    """Rows that stress a select: long runs of ties, all equal, values equal in their top bits but not in the
+    low ones, -inf tails, NaN of either sign."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        logits = torch.randint(0, 4, (rows, cols), generator=gen).float()
+    elif kind == "equal":
+        logits = torch.full((rows, cols), 0.5)
+    elif kind == "close":  # one exponent, differing only in the last mantissa bits
+        logits = (torch.randint(0, 8, (rows, cols), generator=gen) + 0x3F800000).view(torch.float32)
+    elif kind == "nan":
+        logits = torch.randn(rows, cols, generator=gen)
+        logits[:, ::5] = float("nan")
+        logits[:, 1::7] = -float("nan")
+    else:
+        logits = torch.randn(rows, cols, generator=gen)
+    tail = torch.randint(0, cols + 1, (rows,), generator=gen)
+    return logits.masked_fill(torch.arange(cols)[None, :] >= tail[:, None], float("-inf")) if kind == "tail" \
+        else logits
+
+
 TOPK_CASES = dict(rows=st.integers(1, 5), cols=st.integers(1, 80), k_frac=st.floats(0, 1),
                   inf=st.sampled_from([0, 0.3, 1.0]), with_lengths=st.booleans(), with_offset=st.booleans(),
                   seed=st.integers(0, 99))

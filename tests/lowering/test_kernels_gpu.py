@@ -8,7 +8,8 @@ import importlib
 import pytest
 import torch
 
-from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, assert_rows_close, eager_topk_rows, \
+from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, assert_rows_close, \
+    assert_topk_valid, eager_topk_rows, \
     head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
 from helpers.reference64 import assert_logits_close
 
@@ -165,6 +166,38 @@ def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
     out = torch.full((rows, k), 12345, dtype=torch.int32, device=DEV)  # poisoned: every slot must be written
     got = _tk("topk_indices").topk_indices(logits, k, lengths, offset, out=out)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+@pytest.mark.parametrize("rows, cols, k", [(64, 8192, 2048), (8, 20000, 2048), (3, 3000, 2500), (2, 9000, 5000),
+                                           (2, 300, 300)])
+@pytest.mark.parametrize("kind", ["ties", "close", "nan", "tail", "randn"])
+@pytest.mark.parametrize("pad, sorted_", [("neg1", False), ("neg1", True), ("column", True)])
+def test_topk_indices_meets_the_contract(rows, cols, k, kind, pad, sorted_):
+    """DeepSeek-V3.2 decode width, a streamed row (> 8192 columns), adversarial values; both pads and orders."""
+    logits = adversarial_topk_logits(rows, cols, kind, seed=cols)
+    lengths = torch.randint(0, cols + 1, (rows,), generator=torch.Generator().manual_seed(k)).int()
+    lengths[0] = cols
+    offset = -torch.arange(rows)
+    out = torch.full((rows, k), 12345, dtype=torch.int32, device=DEV)
+    got = _tk("topk_indices").topk_indices(logits.to(DEV), k, lengths.to(DEV), offset.to(DEV), pad, sorted_, out=out)
+    assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad, sorted_)
+
+
+def test_topk_indices_replays_in_cuda_graph_with_new_lengths():
+    logits = topk_logits(8, 8192, 0.0, seed=3).to(DEV)
+    lengths = torch.full((8,), 8192, dtype=torch.int32, device=DEV)
+    for sorted_ in (False, True):
+        torch.ops.nsa.topk_indices(logits, 2048, lengths, None, "neg1", sorted_)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = torch.ops.nsa.topk_indices(logits, 2048, lengths, None, "neg1", sorted_)
+        lengths.copy_(torch.tensor([0, 1, 2047, 2048, 2049, 5000, 8191, 8192], dtype=torch.int32))
+        logits.copy_(topk_logits(8, 8192, 0.1, seed=4))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_topk_valid(logits.cpu(), got.cpu(), 2048, lengths.cpu(), None, "neg1", sorted_)
+        lengths.fill_(8192)
 
 
 @pytest.mark.parametrize("mode", ["split", "round"])

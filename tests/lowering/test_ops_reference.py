@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nsa_inductor  # noqa: F401  (registers torch.ops.nsa)
-from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, assert_rows_close, decode_cache, \
-    eager_topk_rows, head_gate_partials64, head_gate_weight64, paged_logits64, quant64, ragged_logits64, \
+from nsa_inductor.lowering.topk_indices import PADS
+from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
+    assert_rows_close, assert_topk_valid, decode_cache, eager_topk_rows, head_gate_partials64, head_gate_weight64, paged_logits64, quant64, ragged_logits64, \
     random_fp8, random_paged_cache, slot_of, small_inputs, tie_weights, topk_case
 from helpers.reference64 import assert_logits_close
 
@@ -201,6 +202,25 @@ def test_topk_indices_reference_is_eager_topk_as_sets(rows, cols, k_frac, inf, w
     got = torch.ops.nsa.topk_indices(logits, k, lengths, offset)
     assert got.dtype == torch.int32 and got.shape == (rows, k)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+@HYP
+@given(rows=st.integers(1, 3), cols=st.integers(1, 40), k_frac=st.floats(0, 1),
+       kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(PADS),
+       sorted_=st.booleans(), with_lengths=st.booleans(), seed=st.integers(0, 99))
+def test_topk_indices_reference_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, seed):
+    logits = adversarial_topk_logits(rows, cols, kind, seed)
+    k = round(k_frac * cols)
+    lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
+        if with_lengths else None
+    offset = -torch.arange(rows)  # columns shift up: no finite value maps to -1
+    got = torch.ops.nsa.topk_indices(logits, k, lengths, offset, pad, sorted_)
+    assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
+
+
+def test_topk_indices_rejects_an_unknown_pad():
+    with pytest.raises(ValueError, match=r"pad must be one of \('neg1', 'column'\), got 'zero'"):
+        torch.ops.nsa.topk_indices(torch.zeros(2, 4), 2, None, None, "zero")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ import torch
 
 from hypothesis import given
 
-from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, assert_rows_close, \
-    eager_topk_rows, head_gate_weight64, paged_logits64, random_cache, random_fp8, random_paged_cache, \
+from hypothesis import strategies as st
+
+from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
+    assert_rows_close, assert_topk_valid, eager_topk_rows, head_gate_weight64, paged_logits64, random_cache, random_fp8, random_paged_cache, \
     ragged_logits64, tie_weights, topk_case
 from helpers.reference64 import assert_logits_close
 
@@ -167,6 +169,38 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
     logits, k, lengths, offset = topk_case(rows, cols * 20, k_frac, inf, with_lengths, with_offset, seed)
     got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset)
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
+
+
+@child_only
+@HYP
+@given(rows=st.integers(1, 3), cols=st.integers(1, 70), k_frac=st.floats(0, 1),
+       kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
+       sorted_=st.booleans(), with_lengths=st.booleans(), block=st.sampled_from([None, 16, 32]),
+       seed=st.integers(0, 99))
+def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, block, seed):
+    """Ties, all-equal rows, values equal but for their last bits, NaN of either sign, -inf tails; rows held in
+    registers and rows streamed in blocks of 16 or 32 (every block boundary); every output slot written."""
+    logits = adversarial_topk_logits(rows, cols, kind, seed)
+    k = round(k_frac * cols)
+    lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
+        if with_lengths else None
+    offset = -torch.arange(rows)
+    out = torch.full((rows, k), 12345, dtype=torch.int32)
+    got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block)
+    assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
+
+
+@child_only
+@pytest.mark.parametrize("k", [0, 1, 6, 7, 8, 20])
+def test_topk_indices_kernel_at_length_edges(k):
+    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders."""
+    cols = 20
+    lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols], dtype=torch.int32)
+    logits = adversarial_topk_logits(6, cols, "randn", k)
+    for pad in ("neg1", "column"):
+        for sorted_ in (False, True):
+            got = _kernels("topk_indices").topk_indices(logits, k, lengths, None, pad, sorted_, block=8)
+            assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
 
 
 @child_only

@@ -34,8 +34,8 @@ def count_topk(gm) -> int:
     return sum(n.target is torch.ops.aten.topk.default for n in gm.graph.nodes)
 
 
-def run_pass(fn, *args):
-    return pass_helpers.run_pass(TopkIndices(), count_topk, fn, *args)
+def run_pass(fn, *args, order="sorted"):
+    return pass_helpers.run_pass(TopkIndices(order), count_topk, fn, *args)
 
 
 def indexer_topk(logits, k):
@@ -68,13 +68,58 @@ def test_fires_and_keeps_the_sets(case):
                      (lambda x, o: where_spelling_int64(x, o, k), (logits, offset))):
         result, before, after, removed = run_pass(fn, *args)
         assert (result.matched, removed) == (1, 1), result.near_misses
-        assert after.dtype == before.dtype and as_rows(after) == as_rows(before)
+        # distinct finite values: torch's descending order is the only one, and the -1 entries come last
+        assert after.dtype == before.dtype and torch.equal(after, before)
+        result, before, after, _ = run_pass(fn, *args, order="set")
+        assert result.matched == 1 and as_rows(after) == as_rows(before)
+
+
+def plain_indices(logits, k):
+    return torch.topk(logits, k).indices
+
+
+def plain_method_getitem(logits, k):
+    return logits.topk(k, dim=-1)[1]
+
+
+def plain_unsorted(logits, k):
+    return torch.topk(logits, k, sorted=False)[1]
+
+
+def assert_plain_topk(got, logits, k, sorted_):
+    """torch.topk's contract: k distinct columns, values >= every unselected one, -inf entries keep columns."""
+    assert got.dtype == torch.int64
+    for row, idx in zip(logits.tolist(), got.tolist()):
+        assert len(set(idx)) == k and all(0 <= c < len(row) for c in idx)
+        picked = [row[c] for c in idx]
+        rest = [v for c, v in enumerate(row) if c not in set(idx)]
+        assert not rest or not picked or min(picked) >= max(rest)
+        if sorted_:
+            assert picked == sorted(picked, reverse=True)
+
+
+@HYP
+@given(topk_cases())
+def test_fires_on_plain_spellings(case):
+    """Values unused: the op keeps torch's semantics (columns of -inf entries, never -1; torch's order)."""
+    logits, k, _ = case
+    for fn, sorted_ in ((plain_indices, True), (plain_method_getitem, True), (plain_unsorted, False)):
+        result, before, after, removed = run_pass(lambda x: fn(x, k), logits)
+        assert (result.matched, removed) == (1, 1), result.near_misses
+        assert_plain_topk(after, logits, k, sorted_)
+        if sorted_:  # distinct finite values: the finite part of the order is torch's
+            finite = (torch.gather(logits, 1, before) != INF)
+            assert torch.equal(after[finite], before[finite])
 
 
 def topk_logits_small():
     logits = torch.arange(24.0).view(4, 6).flip(1)
     logits[1, 2:] = INF
     return logits
+
+
+def plain_values_returned(logits):
+    return torch.topk(logits, 3)
 
 
 def values_also_returned(logits):
@@ -118,7 +163,8 @@ def bf16_logits(logits):
 
 
 @pytest.mark.parametrize("fn, reason", [
-    (values_also_returned, "values or indices unused, or used twice|used for something other"),
+    (values_also_returned, "values are used for something other"),
+    (plain_values_returned, "values are used for something other"),
     (smallest, "largest=False"),
     (other_fill, "not replaced by -1"),
     (other_test, "used for something other than the == -inf test"),

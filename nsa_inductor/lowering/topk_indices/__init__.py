@@ -1,7 +1,9 @@
-"""``nsa.topk_indices``: the indexer's top-k of each logits row as int32 column indices, -1 for -inf values.
+"""``nsa.topk_indices``: the indexer's top-k of each logits row as int32 column indices.
 
-Set semantics (the order within a row is unspecified) let the kernel select without sorting. aiter's top-k
-kernels are not wired: the op runs its Triton kernel on GPUs, the reference elsewhere.
+``sorted=False`` (set order) lets the kernel select without sorting; ``sorted=True`` keeps torch.topk's descending
+value order. ``pad`` says what fills a row with fewer than k finite values: ``"neg1"`` (-1, the masked idiom) or
+``"column"`` (distinct columns of -inf entries, as plain ``torch.topk`` returns). aiter's top-k kernels are not
+wired: the op runs its Triton kernel on GPUs, the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ import torch
 from .._common import INT_TYPES, check, check_devices, contiguous, triton_or_reference
 
 
-def _validate(logits, k, lengths, offset) -> None:
+PADS = ("neg1", "column")
+
+
+def _validate(logits, k, lengths, offset, pad) -> None:
     check("logits", logits, (None, None), (torch.float32,), "[R, N]")
     rows, cols = logits.shape
     if not 0 <= k <= cols:
         raise ValueError(f"k must be in [0, N={cols}], got {k}")
+    if pad not in PADS:
+        raise ValueError(f"pad must be one of {PADS}, got {pad!r}")
     if lengths is not None:
         check("lengths", lengths, (rows,), INT_TYPES, f"[R={rows}]")
     if offset is not None:
@@ -25,16 +32,18 @@ def _validate(logits, k, lengths, offset) -> None:
 
 @torch.library.custom_op("nsa::topk_indices", mutates_args=())
 def topk_indices(
-    logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None, offset: torch.Tensor | None = None
+    logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None, offset: torch.Tensor | None = None,
+    pad: str = "neg1", sorted: bool = False,
 ) -> torch.Tensor:
-    """``[R, k]`` int32: a top-k set of each row's first ``lengths[r]`` columns (all when ``None``), as column
-    minus ``offset[r]``, -1 where the value is -inf. Set semantics: the order within a row is unspecified."""
-    _validate(logits, k, lengths, offset)
+    """``[R, k]`` int32: a top-k set of each row's first ``lengths[r]`` columns (all when ``None``; the others count
+    as -inf), as column minus ``offset[r]``. Entries for -inf values are -1 (``pad="neg1"``) or distinct columns of
+    -inf entries (``pad="column"``). ``sorted``: descending value order (ties in any order); else any order."""
+    _validate(logits, k, lengths, offset, pad)
     run = triton_or_reference("topk_indices", logits.device)
-    return run(logits.contiguous(), k, *contiguous(lengths, offset))
+    return run(logits.contiguous(), k, *contiguous(lengths, offset), pad, sorted)
 
 
 @topk_indices.register_fake
-def _(logits, k, lengths=None, offset=None):
-    _validate(logits, k, lengths, offset)
+def _(logits, k, lengths=None, offset=None, pad="neg1", sorted=False):
+    _validate(logits, k, lengths, offset, pad)
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)

@@ -7,17 +7,18 @@ import torch
 
 
 def topk_indices(
-    logits: torch.Tensor, k: int, lengths: torch.Tensor | None, offset: torch.Tensor | None
+    logits: torch.Tensor, k: int, lengths: torch.Tensor | None, offset: torch.Tensor | None, pad: str = "neg1",
+    sorted: bool = False,
 ) -> torch.Tensor:
-    """``[R, k]`` int32: the columns of a top-``k`` set of each row, minus ``offset[r]``; -1 where the value is -inf.
-
-    Only a row's first ``lengths[r]`` columns take part (the rest count as -inf); as sets, the result equals eager's
-    ``topk(logits, k)`` indices (minus the offset) with -inf entries replaced by -1, up to ties.
-    """
+    """``[R, k]`` int32: eager's ``topk(logits, k)`` indices minus ``offset[r]``, in descending value order (so
+    valid for either ``sorted``). Only a row's first ``lengths[r]`` columns take part (the rest count as -inf);
+    with ``pad="neg1"`` the entries of -inf values become -1."""
     if lengths is not None:
         cols = torch.arange(logits.shape[1], device=logits.device)
         logits = logits.masked_fill(cols[None, :] >= lengths[:, None], float("-inf"))
     values, indices = torch.topk(logits, k, dim=-1)
     if offset is not None:
         indices = indices - offset[:, None]
-    return indices.masked_fill(values == float("-inf"), -1).to(torch.int32)
+    if pad == "neg1":
+        indices = indices.masked_fill(values == float("-inf"), -1)
+    return indices.to(torch.int32)
