@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk]
+# topk: GPU tests, the top-k kernel cells and a CUDA-graph decode step (torch's order and set order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
@@ -20,11 +21,16 @@ if [ "$mode" = "numerics" ]; then
 fi
 
 if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ]; then
-  python3 -m pytest -q -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 
 case "$mode" in
+  topk) python3 benchmarks/kernels.py --only topk --only head_gate --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 5
+        for order in sorted set; do
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --topk-order $order --out "$OUT/e2e_cg_$order" \
+            2>&1 | tee "$OUT/e2e_cg_$order.log" | tail -n 6
+        done ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \
