@@ -265,3 +265,11 @@ def test_compiling_leaves_the_cache_identity_unchanged():
     with torch._inductor.config.patch(fx_graph_cache=False):
         torch.compile(lambda x: x * 2 + 1, backend="nsa_rocm")(torch.ones(3))
     assert NsaPassManager(NsaOptions()).uuid() == before
+
+
+def test_topk_order_configures_the_pass_and_the_cache_key():
+    passes = {p.name: p for p in NsaPassManager(parse_options({"nsa.topk_order": "set"})[0]).passes}
+    assert passes["topk_indices"].order == "set" and NsaOptions().topk_order == "sorted"
+    assert NsaPassManager(NsaOptions(topk_order="set")).uuid() != NsaPassManager(NsaOptions()).uuid()
+    with pytest.raises(ValueError, match="'sorted', 'set'"):
+        parse_options({"nsa.topk_order": "unsorted"})
