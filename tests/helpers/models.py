@@ -1,5 +1,8 @@
 """Compiled models shared by the test modules (compiling costs seconds): the reference indexer per config, layout and
-entry point, the independently written indexer, and the batches they run on."""
+entry point, the independently written indexer, and the batches they run on.
+
+Every caller of :func:`compiled` runs it on caches of ``CACHE_SLOTS`` slots marked static (``static_cache``), so
+the graphs in its dump directory are the same whichever test module compiles it first."""
 
 from __future__ import annotations
 

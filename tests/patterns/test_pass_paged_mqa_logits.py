@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import decode_batch
-from helpers.models import CONFIGS, LAYOUTS, batches, compiled, other
+from helpers.models import CONFIGS, LAYOUTS, batches, compiled, other, static_cache
 from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, near_miss_reasons, pass_entry, pass_graphs
 from helpers.reference64 import assert_logits_close
 
@@ -45,7 +45,7 @@ def test_fires_on_reference_decode(config_name, layout_name):
     config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
     # next_n=1 then next_n=2 with another batch size: the second compile has a symbolic token count
     for batch in batches(config, layout, "decode"):
-        assert_matches_eager(eager_fn, compiled_fn, batch)
+        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
     assert len(graph_dirs(dump_dir)) >= 2
     assert_fired(dump_dir)
 

@@ -9,7 +9,7 @@ import torch
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import prefill_batch
-from helpers.models import CONFIGS, LAYOUTS, batches, compiled, other
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other, static_cache
 from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, near_miss_reasons, pass_entry, pass_graphs
 
 NAME = "ragged_mqa_logits"
@@ -35,7 +35,7 @@ def test_fires_on_reference_prefill(config_name, layout_name):
     eager_fn, compiled_fn, dump_dir = compiled(config_name, layout_name, "prefill")
     config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
     for batch in batches(config, layout, "prefill"):
-        assert_matches_eager(eager_fn, compiled_fn, batch)
+        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
     assert_fired(dump_dir)
 
 
@@ -44,7 +44,9 @@ def test_dynamic_token_count():
     eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     for lens, pad, seed in (([9, 17, 1], 3, 3), ([5, 20], 0, 4), ([33, 2, 0, 7], 1, 5)):
-        assert_matches_eager(eager_fn, compiled_fn, prefill_batch(config, layout, lens, padding_tokens=pad, seed=seed))
+        batch = prefill_batch(config, layout, lens, padding_tokens=pad, seed=seed,
+                              cache_pages=CACHE_SLOTS // layout.page_size)
+        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
     assert len(graph_dirs(dump_dir)) >= 2
     assert_fired(dump_dir)
 
