@@ -193,14 +193,22 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
 @child_only
 @pytest.mark.parametrize("k", [0, 1, 6, 7, 8, 20])
 def test_topk_indices_kernel_at_length_edges(k):
-    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders."""
+    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders, both places the order is made."""
     cols = 20
     lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols], dtype=torch.int32)
     logits = adversarial_topk_logits(6, cols, "randn", k)
+    tk = _kernels("topk_indices")
     for pad in ("neg1", "column"):
         for sorted_ in (False, True):
-            got = _kernels("topk_indices").topk_indices(logits, k, lengths, None, pad, sorted_, block=8)
+            got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, block=8)
             assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
+    in_kernel, tk.MAX_SORTED_ROWS = tk.MAX_SORTED_ROWS, 1  # many rows: ordered by torch after the kernel
+    try:
+        for pad in ("neg1", "column"):
+            got = tk.topk_indices(logits, k, lengths, None, pad, True, block=8)
+            assert_topk_valid(logits, got, k, lengths, None, pad, True)
+    finally:
+        tk.MAX_SORTED_ROWS = in_kernel
 
 
 @child_only

@@ -14,8 +14,10 @@ import triton.language as tl
 
 # Rows up to this many columns stay in registers; longer rows are streamed in blocks of this size.
 MAX_BLOCK = 8192
-# Up to this k the survivors are sorted in registers by the kernel itself.
+# Up to this k, and this many rows, the survivors are sorted in registers by the kernel itself (one sort per
+# program); more rows are ordered by one batched torch sort after the kernel (BENCHMARKS.md, top-k).
 MAX_SORTED_K = 4096
+MAX_SORTED_ROWS = 256
 
 
 @triton.jit
@@ -140,7 +142,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     if rows == 0 or k == 0:
         return out
     block = block or min(max(triton.next_power_of_2(n_cols), 128), MAX_BLOCK)
-    sort_in_kernel = sorted and k <= MAX_SORTED_K
+    sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
     _topk_indices_kernel[(rows,)](
         logits, lengths if lengths is not None else logits, offset if offset is not None else logits, out,
         n_cols, logits.stride(0), k,
@@ -148,13 +150,14 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         SORTED=sort_in_kernel, BLOCK=block, ONE_BLOCK=n_cols <= block, K_POW2=triton.next_power_of_2(k),
         num_warps=4 if rows >= 1024 or block <= 1024 else 8,
     )
-    if sorted and not sort_in_kernel:  # too many survivors for registers: order them with torch
+    if sorted and not sort_in_kernel:
         cols = out.long() + (0 if offset is None else offset.long()[:, None])
         values = logits.gather(1, cols.clamp(0, n_cols - 1))
         if lengths is not None:
             values = values.masked_fill(cols >= lengths.long()[:, None], float("-inf"))
         if pad != "column":
             values = values.masked_fill(out == -1, float("-inf"))
-        order = values.nan_to_num(nan=float("inf")).argsort(dim=1, descending=True, stable=True)
-        out.copy_(out.gather(1, order))
+        bits = values.view(torch.int32)
+        key = torch.where(values.isnan(), torch.iinfo(torch.int32).max, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+        out.copy_(out.gather(1, key.argsort(dim=1, descending=True)))  # the kernel's key order: NaN first
     return out
