@@ -2,7 +2,8 @@
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
 #   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk]
-# topk: GPU tests, the top-k kernel cells and a CUDA-graph decode step (torch's order and set order).
+# topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
+# torch's order and set order, B=1 ctx 32768).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
@@ -26,11 +27,14 @@ if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ]; then
 fi
 
 case "$mode" in
-  topk) python3 benchmarks/kernels.py --only topk --only head_gate --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 5
+  topk) python3 benchmarks/kernels.py --only topk --only head_gate --only paged --only quant --only gather --quick \
+          --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 5
         python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --out "$OUT/e2e_cg" 2>&1 | tee "$OUT/e2e_cg.log" \
           | tail -n 6
         python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --topk-order set --variants nsa_rocm \
-          --out "$OUT/e2e_cg_set" 2>&1 | tee "$OUT/e2e_cg_set.log" | tail -n 4 ;;
+          --out "$OUT/e2e_cg_set" 2>&1 | tee "$OUT/e2e_cg_set.log" | tail -n 4
+        python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --batch 1 --ctx 32768 --out "$OUT/e2e_cg_b1" 2>&1 \
+          | tee "$OUT/e2e_cg_b1.log" | tail -n 6 ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \
