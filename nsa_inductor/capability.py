@@ -50,7 +50,7 @@ AITER_DIST = "amd-aiter"  # aiter's distribution name (setup.py PACKAGE_NAME)
 
 # What the aiter dispatch relies on, as (function, keyword or None for the function itself, first aiter release
 # that has it). Read in ROCm/aiter's tags: aiter/ops/cache.py, aiter/ops/triton/{attention/,}pa_mqa_logits.py,
-# fp8_mqa_logits.py, aiter/ops/topk.py. Signature inspection of the installed aiter wins over the version.
+# fp8_mqa_logits.py. Signature inspection of the installed aiter wins over the version.
 AITER_FEATURES: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "quant_store": ("indexer_k_quant_and_cache", None, (0, 1, 7)),
     "quant_store_preshuffle": ("indexer_k_quant_and_cache", "preshuffle", (0, 1, 13)),
@@ -59,7 +59,6 @@ AITER_FEATURES: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "paged_logits": ("deepgemm_fp8_paged_mqa_logits", "KVBlockSize", (0, 1, 8)),  # with Preshuffle
     "ragged_logits": ("fp8_mqa_logits", None, (0, 1, 7)),
     "clean_logits": ("fp8_mqa_logits", "clean_logits", (0, 1, 15)),
-    "topk": ("top_k_per_row_prefill", "k", (0, 1, 14)),  # before 0.1.14 k was fixed at 2048
 }
 
 
@@ -202,7 +201,6 @@ _AITER_MODULES = {
     "cp_gather_indexer_k_quant_cache": ("aiter.ops.cache",),
     "deepgemm_fp8_paged_mqa_logits": ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits"),
     "fp8_mqa_logits": ("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits"),
-    "top_k_per_row_prefill": ("aiter.ops.topk",),
 }
 
 
@@ -273,12 +271,11 @@ def capability() -> Capability:
 # per-op aiter decision
 # ---------------------------------------------------------------------------------------------------------------
 
-AITER_OPS = ("quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices")
+AITER_OPS = ("quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits")
 
 
 def aiter_refusal(cap: Capability, op: str, *, page_size: int = 1, preshuffle: bool = False,
-                  heads: int | None = None, pad: str = "neg1", sorted: bool = False,
-                  lengths: bool = False) -> str | None:
+                  heads: int | None = None) -> str | None:
     """Why aiter cannot serve this call of ``op`` on ``cap``'s machine; ``None`` when it can.
 
     Only static facts (shapes, flags, versions): a call the answer does not cover goes to the Triton kernel. A
@@ -320,14 +317,6 @@ def aiter_refusal(cap: Capability, op: str, *, page_size: int = 1, preshuffle: b
             return f"aiter {version} has no fp8_mqa_logits (aiter >= 0.1.7)"
         if heads is not None and not _power_of_two(heads):
             return f"{heads} heads: aiter's fp8_mqa_logits asserts a power-of-two head count"
-        return None
-    if op == "topk_indices":
-        if not cap.aiter_has("topk"):
-            return f"aiter {version}'s top_k_per_row_prefill has no k argument (aiter >= 0.1.14)"
-        if sorted:
-            return "sorted=True: aiter's top_k_per_row returns the top-k set unordered"
-        if pad == "column" and lengths:
-            return "pad='column' with lengths: aiter writes -1 past a row's length"
         return None
     raise ValueError(f"op must be one of {AITER_OPS}, got {op!r}")
 
@@ -440,8 +429,7 @@ def aiter_routes(cap: Capability, layout: KCacheLayout) -> str:
     parts = []
     for op in AITER_OPS:
         why = aiter_refusal(cap, op, page_size=layout.page_size, preshuffle=layout.preshuffle)
-        note = {"paged_mqa_logits": "power-of-two heads >= 16", "mqa_logits": "power-of-two heads",
-                "topk_indices": "unsorted"}.get(op)
+        note = {"paged_mqa_logits": "power-of-two heads >= 16", "mqa_logits": "power-of-two heads"}.get(op)
         parts.append(f"{op}=triton [{why}]" if why else f"{op}=aiter" + (f" [{note}]" if note else ""))
     return " ops: " + ", ".join(parts)
 

@@ -81,8 +81,8 @@ def _log_once(message: str) -> None:
 def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype, **static) -> str:
     """``"aiter"``, ``"triton"`` or ``"torch"`` for one call of ``op`` (an op with an aiter kernel) on ``device``.
 
-    ``static``: the call's static facts aiter's preconditions depend on (``page_size``, ``preshuffle``, ``heads``,
-    ``pad``, ``sorted``, ``lengths``); a call aiter cannot serve goes to Triton, never to aiter."""
+    ``static``: the call's static facts aiter's preconditions depend on (``page_size``, ``preshuffle``, ``heads``);
+    a call aiter cannot serve goes to Triton, never to aiter."""
     if device.type == "cpu":
         return "torch"
     cap = capability()
