@@ -1,6 +1,6 @@
 """What the ops' aiter modules share (ROCm; aiter itself is imported on first call, DESIGN §4).
 
-The two cache ops take ``preshuffle`` only since aiter added the layout (April 2026), so it is passed only when
+The two cache ops take ``preshuffle`` only from aiter 0.1.13 (April 2026), so it is passed only when
 set: the flat and row-major layouts keep working with older aiter releases. aiter's Triton kernels moved into
 folders in January 2026 (``aiter.ops.triton.attention.<name>``); the old paths are tried second.
 """

@@ -1,8 +1,9 @@
 """What the ``nsa`` ops share on the host: argument checks, the choice of implementation, reference helpers.
 
 Checks read metadata only, so the fakes run them too. Dispatch per call: CPU tensors (or no Triton) run the op's
-``reference``; on ROCm with aiter enabled its ``aiter`` module, where it has one; on other GPUs its ``triton``
-module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8 type has no Triton
+``reference``; on ROCm with aiter enabled its ``aiter`` module where aiter can serve the call (``capability.
+aiter_refusal`` decides from static facts: versions, gfx arch, layout, head count), else its ``triton`` module; on
+other GPUs its ``triton`` module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8 type has no Triton
 type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte copy and stays on
 Triton for both fp8 types.
 """
@@ -15,7 +16,7 @@ import logging
 
 import torch
 
-from ..capability import capability
+from ..capability import aiter_refusal, capability
 from ..layout import KCacheLayout
 from ..quant import FP8_DTYPES
 
@@ -77,13 +78,20 @@ def _log_once(message: str) -> None:
     log.warning(message)
 
 
-def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype) -> str:
-    """``"aiter"``, ``"triton"`` or ``"torch"`` for one call of ``op`` (an op with an aiter kernel) on ``device``."""
+def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype, **static) -> str:
+    """``"aiter"``, ``"triton"`` or ``"torch"`` for one call of ``op`` (an op with an aiter kernel) on ``device``.
+
+    ``static``: the call's static facts aiter's preconditions depend on (``page_size``, ``preshuffle``, ``heads``);
+    a call aiter cannot serve goes to Triton, never to aiter."""
     if device.type == "cpu":
         return "torch"
     cap = capability()
-    if cap.use_aiter and fp8_dtype == cap.fp8_dtype:
-        return "aiter"
+    if cap.use_aiter:
+        why = (f"fp8 type {fp8_dtype} is not this GPU's ({cap.fp8_dtype})" if fp8_dtype != cap.fp8_dtype
+               else aiter_refusal(cap, op, **static))
+        if why is None:
+            return "aiter"
+        _log_once(f"nsa_inductor: nsa.{op} runs the Triton kernel, not aiter's: {why}")
     if not cap.use_triton:
         return "torch"
     if cap.platform == "cuda" and fp8_dtype == torch.float8_e4m3fnuz and op != "gather_k":
@@ -101,9 +109,9 @@ def _function(op: str, backend: str):
     return getattr(importlib.import_module(f"{__package__}.{op}.{_MODULES[backend]}"), op)
 
 
-def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype):
-    """The function that runs this call of ``op``, an op aiter has a kernel for."""
-    return _function(op, choose_backend(op, device, fp8_dtype))
+def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype, **static):
+    """The function that runs this call of ``op``, an op aiter has a kernel for (``static``: see choose_backend)."""
+    return _function(op, choose_backend(op, device, fp8_dtype, **static))
 
 
 def triton_or_reference(op: str, device: torch.device):

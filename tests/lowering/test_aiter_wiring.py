@@ -1,211 +1,244 @@
-"""The aiter dispatch against recording stand-ins for aiter's modules (no ROCm needed).
+"""The ROCm aiter dispatch against a stand-in built from aiter's source (``tests/helpers/fake_aiter.py``).
 
-The stand-ins have the signatures published in ROCm/aiter (aiter/ops/cache.py,
-aiter/ops/triton/attention/{pa_mqa_logits,fp8_mqa_logits}.py) and record how they were called.
+The ops run through their real dispatch (``choose_backend`` on a simulated machine) with CPU tensors: a call routed to
+aiter runs the stand-in, which checks what aiter checks and computes what aiter computes (including its wrong reads);
+a call routed to Triton runs the torch reference (same contract). Every result is compared with the reference, so a
+call aiter cannot serve fails here unless the dispatch sends it to Triton.
 """
 
 from __future__ import annotations
 
-import inspect
-import sys
-import types
+import dataclasses
 
 import pytest
 import torch
 
-from nsa_inductor.capability import Capability
+from nsa_inductor import capability as cap_mod
 from nsa_inductor.lowering import _aiter_common, _common
 from nsa_inductor.lowering.gather_k import aiter as gather_k_aiter
+from nsa_inductor.lowering.gather_k.reference import gather_k as gather_ref
 from nsa_inductor.lowering.mqa_logits import aiter as mqa_logits_aiter
+from nsa_inductor.lowering.mqa_logits.reference import mqa_logits as ragged_ref
 from nsa_inductor.lowering.paged_mqa_logits import aiter as paged_mqa_logits_aiter
-from nsa_inductor.lowering.quant_cache_store import aiter as quant_cache_store_aiter
-from helpers.ops64 import FN, FNUZ, random_cache, random_fp8
+from nsa_inductor.lowering.paged_mqa_logits.reference import paged_mqa_logits as paged_ref
+from nsa_inductor.lowering.quant_cache_store.reference import quant_cache_store as store_ref
+from helpers.fake_aiter import AiterFault, Machine, install
+from helpers.ops64 import FN, FNUZ, random_fp8, random_paged_cache
 
-NEW_TRITON_PKG = "aiter.ops.triton.attention"  # since aiter moved its Triton files into folders (2026-01)
-OLD_TRITON_PKG = "aiter.ops.triton"
-
-
-class Recorder:
-    def __init__(self):
-        self.calls: list[tuple[str, inspect.BoundArguments]] = []
-
-    def bind(self, fn, *args, **kwargs) -> inspect.BoundArguments:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-        self.calls.append((fn.__name__, bound))
-        return bound
+# One machine per aiter release family (what changed between them, read in aiter's tags).
+FAMILIES = {
+    "0.1.7": Machine((0, 1, 7)),     # cache ops without preshuffle; paged logits without Preshuffle/KVBlockSize
+    "0.1.9": Machine((0, 1, 9)),     # Preshuffle/KVBlockSize; modules still at aiter.ops.triton.<name>
+    "0.1.12": Machine((0, 1, 12)),   # modules in aiter.ops.triton.attention; cache ops still without preshuffle
+    "0.1.14": Machine((0, 1, 14)),   # cache ops with preshuffle; fp8_mqa_logits without clean_logits
+    "0.1.20": Machine((0, 1, 20)),   # clean_logits, 256-aligned ragged output
+}
 
 
-def _install(monkeypatch, triton_pkg: str, with_clean_logits: bool = True) -> Recorder:
-    rec = Recorder()
+def _capability(machine: Machine, inspect_signatures: bool = False, **overrides) -> cap_mod.Capability:
+    """The Capability of ``machine`` (fields the Capability of this checkout does not know are left out)."""
+    values = dict(
+        platform="rocm", device_name="simulated", aiter_available=True, aiter_disabled=False,
+        triton_version=".".join(map(str, machine.triton)) + ".0", aiter_aot=machine.aot, preshuffle_disabled=False,
+        fp8_dtype=FNUZ if machine.gfx_arch == "gfx942" else FN, aiter_version=".".join(map(str, machine.version)),
+        gfx_arch=machine.gfx_arch, aiter_aot_bundle=machine.aot,
+        aiter_params=cap_mod._aiter_params() if inspect_signatures else None,
+    )
+    values.update(overrides)
+    known = {f.name for f in dataclasses.fields(cap_mod.Capability)}
+    return cap_mod.Capability(**{k: v for k, v in values.items() if k in known})
 
-    def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, preshuffle=False):
-        rec.bind(indexer_k_quant_and_cache, k, kv_cache, slot_mapping, quant_block_size, scale_fmt,
-                 preshuffle=preshuffle)
-        kv_cache[0, 0, 0] = torch.tensor(1.0).to(kv_cache.dtype)  # proves the view aliases the uint8 cache
 
-    def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, preshuffle=False):
-        rec.bind(cp_gather_indexer_k_quant_cache, kv_cache, dst_k, dst_scale, block_table, cu_seq_lens,
-                 preshuffle=preshuffle)
-        dst_scale[0] = torch.tensor([0.5]).view(torch.uint8)  # through the byte view into the fp32 output
-
-    def deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
-                                      Preshuffle=False, KVBlockSize=1, ChunkK=256, TotalCuCount=None, WavePerEU=2,
-                                      VarCtxSchedule=None):
-        rec.bind(deepgemm_fp8_paged_mqa_logits, q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices,
-                 max_model_len, Preshuffle=Preshuffle, KVBlockSize=KVBlockSize)
-        out_logits.fill_(float("nan"))  # what aiter leaves in columns it does not visit: anything
-        next_n = q_fp8.shape[1]
-        for row in range(out_logits.shape[0]):
-            visible = int(context_lens[row // next_n]) - next_n + row % next_n + 1
-            out_logits[row, : max(visible, 0)] = 2.0
-
-    def fp8_mqa_logits_new(Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=True):
-        rec.bind(fp8_mqa_logits_new, Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=clean_logits)
-        aligned = torch.full((Q.shape[0], 256), 3.0)
-        return aligned[:, : KV.shape[0]]  # aiter returns a column slice of a 256-aligned buffer
-
-    def fp8_mqa_logits_old(Q, KV, kv_scales, weights, cu_starts, cu_ends):
-        rec.bind(fp8_mqa_logits_old, Q, KV, kv_scales, weights, cu_starts, cu_ends)
-        return torch.full((Q.shape[0], KV.shape[0]), 3.0)
-
-    fp8_fn = fp8_mqa_logits_new if with_clean_logits else fp8_mqa_logits_old
-    fp8_fn.__name__ = "fp8_mqa_logits"
-    modules = {
-        "aiter": {},
-        "aiter.ops": {},
-        "aiter.ops.cache": {"indexer_k_quant_and_cache": indexer_k_quant_and_cache,
-                            "cp_gather_indexer_k_quant_cache": cp_gather_indexer_k_quant_cache},
-        "aiter.ops.triton": {},
-        f"{triton_pkg}.pa_mqa_logits": {"deepgemm_fp8_paged_mqa_logits": deepgemm_fp8_paged_mqa_logits},
-        f"{triton_pkg}.fp8_mqa_logits": {"fp8_mqa_logits": fp8_fn},
-    }
-    if triton_pkg == NEW_TRITON_PKG:
-        modules[NEW_TRITON_PKG] = {}
-    for name, attrs in modules.items():
-        module = types.ModuleType(name)
-        for key, value in attrs.items():
-            setattr(module, key, value)
-        monkeypatch.setitem(sys.modules, name, module)
+def _clear_aiter_caches():
     for cached in (_aiter_common.cache_ops, paged_mqa_logits_aiter._paged_logits_fn,
                    mqa_logits_aiter._ragged_logits_fn):
         cached.cache_clear()
-    return rec
 
 
 @pytest.fixture(autouse=True)
 def _clear_caches():
+    _clear_aiter_caches()
     yield
-    for cached in (_aiter_common.cache_ops, paged_mqa_logits_aiter._paged_logits_fn,
-                   mqa_logits_aiter._ragged_logits_fn, mqa_logits_aiter._accepts_clean_logits):
-        cached.cache_clear()
+    _clear_aiter_caches()
+    cap_mod._select_layout.cache_clear()
 
 
-@pytest.mark.parametrize("layout", [(1, False), (64, True), (16, False)])
-@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
-def test_quant_cache_store_wiring(monkeypatch, layout, scale_fmt):
-    rec = _install(monkeypatch, NEW_TRITON_PKG)
-    page_size, preshuffle = layout
-    cache = torch.zeros(3, page_size * 132, dtype=torch.uint8)
-    k = torch.randn(5, 128).bfloat16()
-    slots = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
-    quant_cache_store_aiter.quant_cache_store(k, cache, slots, page_size, preshuffle, scale_fmt, FNUZ)
-    [(name, call)] = rec.calls
-    assert name == "indexer_k_quant_and_cache"
-    args = call.arguments
-    assert args["k"] is k
-    kv = args["kv_cache"]
-    assert kv.shape == (3, page_size, 132) and kv.dtype == FNUZ and kv.data_ptr() == cache.data_ptr()
-    assert args["slot_mapping"].dtype == torch.int64 and args["slot_mapping"].tolist() == slots.tolist()
-    assert args["quant_block_size"] == 128 and args["scale_fmt"] == scale_fmt
-    assert args.get("preshuffle", False) is preshuffle  # passed only when set: older aiter lacks the parameter
-    assert cache[0, 0] == torch.tensor(1.0).to(FNUZ).view(torch.uint8)
+def _simulate(monkeypatch, machine: Machine, inspect_signatures: bool = False) -> tuple[list, list]:
+    """Install ``machine``'s aiter and route the ops' dispatch as on that machine; Triton runs the reference."""
+    calls = install(monkeypatch, machine)
+    cap = _capability(machine, inspect_signatures)
+    monkeypatch.setattr(_common, "capability", lambda: cap)
+    monkeypatch.setattr(cap_mod, "capability", lambda: cap)
+    routes: list[tuple[str, str]] = []
+    choose, function = _common.choose_backend, _common._function
+
+    def routed_choose(op, device, fp8_dtype, **static):
+        backend = choose(op, torch.device("cuda"), fp8_dtype, **static)
+        routes.append((op, backend))
+        return backend
+
+    monkeypatch.setattr(_common, "choose_backend", routed_choose)
+    monkeypatch.setattr(_common, "_function", lambda op, backend: function(op, "torch" if backend == "triton"
+                                                                              else backend))
+    return calls, routes
+
+
+LAYOUTS = [(1, False), (16, False), (64, False), (64, True), (16, True), (48, True), (256, True)]
+
+
+def _run_all_ops(fp8):
+    """Each op on each layout through the dispatch; every result equal to the reference's."""
+    gen = torch.Generator().manual_seed(0)
+    for page_size, preshuffle in LAYOUTS:
+        lengths = [70, 5]
+        cache, block_table = random_paged_cache(lengths, page_size, fp8, gen)
+        # store: padding slot, last slot of the cache
+        k = torch.randn(4, 128, generator=gen).bfloat16() * 3
+        capacity = cache.shape[0] * page_size
+        slots = torch.tensor([3, -1, capacity - 1, 0])
+        want = cache.clone()
+        store_ref(k, want, slots, page_size, preshuffle, "ue8m0", fp8)
+        got = cache.clone()
+        torch.ops.nsa.quant_cache_store(k, got, slots, page_size, preshuffle, "ue8m0", fp8)
+        assert torch.equal(got, want), f"quant_cache_store bytes differ for page_size={page_size} {preshuffle=}"
+        # gather: 96 rows for 75 tokens (the op allows num_tokens > cu_seqlens[-1]; spare rows are zero)
+        cu = torch.tensor([0, 70, 75], dtype=torch.int32)
+        for rows in (75, 96):
+            want_k, want_s = gather_ref(cache, block_table, cu, page_size, preshuffle, rows, fp8)
+            got_k, got_s = torch.ops.nsa.gather_k(cache, block_table, cu, page_size, preshuffle, rows, fp8)
+            assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8)) and torch.equal(got_s, want_s)
+        # paged logits, next_n 2, 16 heads (aiter's tile) and 24 (not a power of two)
+        for heads in (16, 24):
+            q = random_fp8((2, 2, heads, 128), fp8, gen)
+            weights = torch.randn(4, heads, generator=gen)
+            ctx = torch.tensor(lengths, dtype=torch.int32)
+            want = paged_ref(q, cache, weights, ctx, block_table, 80, page_size, preshuffle)
+            got = torch.ops.nsa.paged_mqa_logits(q, cache, weights, ctx, block_table, 80, page_size, preshuffle)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=False)
+    # ragged logits: 16 heads and 24 heads
+    for heads in (16, 24):
+        q, kv = random_fp8((6, heads, 128), fp8, gen), random_fp8((9, 128), fp8, gen)
+        k_scale, weights = torch.rand(9, generator=gen) + 0.1, torch.randn(6, heads, generator=gen)
+        ks, ke = torch.tensor([0, 0, 2, 3, 9, 4], dtype=torch.int32), torch.tensor([1, 4, 5, 9, 9, 2], dtype=torch.int32)
+        got = torch.ops.nsa.mqa_logits(q, kv, k_scale, weights, ks, ke)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, ragged_ref(q, kv, k_scale, weights, ks, ke), rtol=1e-4, atol=1e-4)
+
+
+# Which calls each family serves with aiter (op, page_size, preshuffle) on gfx942 with Triton 3.5.
+SERVED = {
+    "0.1.7": {"quant_cache_store": {(1, False), (16, False), (64, False)}, "paged_mqa_logits": set(),
+              "mqa_logits": "pow2"},
+    "0.1.9": {"quant_cache_store": {(1, False), (16, False), (64, False)}, "paged_mqa_logits": {(1, False)},
+              "mqa_logits": "pow2"},
+    "0.1.12": {"quant_cache_store": {(1, False), (16, False), (64, False)}, "paged_mqa_logits": {(1, False)},
+               "mqa_logits": "pow2"},
+    "0.1.14": {"quant_cache_store": set(LAYOUTS), "paged_mqa_logits": {(1, False), (64, True), (16, True), (256, True)},
+               "mqa_logits": "pow2"},
+    "0.1.20": {"quant_cache_store": set(LAYOUTS), "paged_mqa_logits": {(1, False), (64, True), (16, True), (256, True)},
+               "mqa_logits": "pow2"},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_aiter_release_family(monkeypatch, family):
+    """One test per aiter release family: every op on every layout gives the reference's result, and aiter serves
+    exactly the calls that release can serve (the rest run the Triton kernel)."""
+    machine = FAMILIES[family]
+    calls, routes = _simulate(monkeypatch, machine)
+    _run_all_ops(FNUZ)
+    served = SERVED[family]
+    got_store = [layout for layout, (op, backend) in zip(
+        [lay for lay in LAYOUTS], [r for r in routes if r[0] == "quant_cache_store"]) if backend == "aiter"]
+    assert set(got_store) == served["quant_cache_store"]
+    assert all(backend != "aiter" for op, backend in routes if op == "gather_k")
+    paged = [r for r in routes if r[0] == "paged_mqa_logits"]
+    aiter_paged = {LAYOUTS[i // 2] for i, (_, backend) in enumerate(paged) if backend == "aiter"}
+    assert aiter_paged == served["paged_mqa_logits"]
+    assert all(paged[i][1] != "aiter" for i in range(1, len(paged), 2)), "24 heads never go to aiter"
+    ragged = [backend for op, backend in routes if op == "mqa_logits"]
+    assert ragged == ["aiter", "triton"]
+    assert {name for name, _ in calls} >= {"indexer_k_quant_and_cache", "fp8_mqa_logits"}
+
+
+@pytest.mark.parametrize("family", ["0.1.9", "0.1.14", "0.1.20"])
+def test_signature_inspection_agrees_with_the_version_table(monkeypatch, family):
+    """The capability read from the installed (stand-in) aiter's signatures routes exactly as its version says."""
+    install(monkeypatch, FAMILIES[family])
+    by_sig = _capability(FAMILIES[family], inspect_signatures=True)
+    by_version = _capability(FAMILIES[family])
+    assert by_sig.aiter_params is not None
+    for feature in cap_mod.AITER_FEATURES:
+        assert by_sig.aiter_has(feature) == by_version.aiter_has(feature), feature
+    # a new aiter release whose version string we cannot parse is still read right from its signatures
+    assert _capability(FAMILIES[family], inspect_signatures=True, aiter_version="git").aiter_has("paged_logits") \
+        == by_version.aiter_has("paged_logits")
+
+
+@pytest.mark.parametrize("machine, served", [
+    (Machine((0, 1, 20), "gfx950", (3, 6)), True),
+    (Machine((0, 1, 20), "gfx90a", (3, 6)), False),   # no gluon kernels on MI250
+    (Machine((0, 1, 20), "gfx942", (3, 4)), False),   # Triton 3.4: neither JIT gluon (>= 3.5) nor AOT (< 3.4)
+    (Machine((0, 1, 20), "gfx942", (3, 4), aot=True), False),
+    (Machine((0, 1, 20), "gfx942", (3, 3), aot=True), True),   # AOT bundle on Triton < 3.4
+    (Machine((0, 1, 20), "gfx942", (3, 3)), False),
+])
+def test_preshuffle_paged_logits_need_gluon(monkeypatch, machine, served):
+    """aiter's preshuffle kernel is gluon only; elsewhere the Triton kernel serves the preshuffle layout."""
+    fp8 = FNUZ if machine.gfx_arch == "gfx942" else FN
+    _, routes = _simulate(monkeypatch, machine)
+    gen = torch.Generator().manual_seed(1)
+    cache, block_table = random_paged_cache([70, 5], 64, fp8, gen)
+    q, weights, ctx = random_fp8((2, 1, 16, 128), fp8, gen), torch.randn(2, 16), torch.tensor([70, 5], dtype=torch.int32)
+    got = torch.ops.nsa.paged_mqa_logits(q, cache, weights, ctx, block_table, 80, 64, True)
+    torch.testing.assert_close(got, paged_ref(q, cache, weights, ctx, block_table, 80, 64, True), rtol=1e-4, atol=1e-4)
+    assert routes == [("paged_mqa_logits", "aiter" if served else "triton")]
+
+
+def test_gfx1250_preshuffle_pages_above_256_go_to_triton(monkeypatch):
+    machine = Machine((0, 1, 20), "gfx1250", (3, 6))
+    _, routes = _simulate(monkeypatch, machine)
+    gen = torch.Generator().manual_seed(2)
+    for page_size, want in ((256, "aiter"), (512, "triton")):
+        cache, block_table = random_paged_cache([300], page_size, FN, gen)
+        q, weights, ctx = random_fp8((1, 1, 16, 128), FN, gen), torch.randn(1, 16), torch.tensor([300], dtype=torch.int32)
+        got = torch.ops.nsa.paged_mqa_logits(q, cache, weights, ctx, block_table, 300, page_size, True)
+        torch.testing.assert_close(got, paged_ref(q, cache, weights, ctx, block_table, 300, page_size, True),
+                                   rtol=1e-4, atol=1e-4)
+        assert routes[-1] == ("paged_mqa_logits", want)
+
+
+def test_the_stand_in_makes_aiters_checks(monkeypatch):
+    """The defects the dispatch avoids are real in the stand-in: calling aiter directly fails as aiter would."""
+    install(monkeypatch, FAMILIES["0.1.20"])
+    gen = torch.Generator().manual_seed(3)
+    cache, block_table = random_paged_cache([70, 20], 64, FNUZ, gen)
+    with pytest.raises(AiterFault, match="uninitialised batch index"):
+        gather_k_aiter.gather_k(cache, block_table, torch.tensor([0, 70, 90], dtype=torch.int32), 64, False, 96, FNUZ)
+    k, s = gather_k_aiter.gather_k(cache, block_table, torch.tensor([0, 70, 90], dtype=torch.int32), 64, True, 90, FNUZ)
+    want_k, want_s = gather_ref(cache, block_table, torch.tensor([0, 70, 90], dtype=torch.int32), 64, True, 90, FNUZ)
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8)) and torch.equal(s, want_s)
+    q, weights, ctx = random_fp8((2, 1, 16, 128), FNUZ, gen), torch.randn(2, 16), torch.tensor([70, 20], dtype=torch.int32)
+    with pytest.raises(AiterFault, match="past the table"):  # row-major pages read one slot per token
+        paged_mqa_logits_aiter.paged_mqa_logits(q, cache, weights, ctx, block_table, 80, 64, False)
+    with pytest.raises(AiterFault, match="ChunkK"):
+        cache48, bt48 = random_paged_cache([70, 20], 48, FNUZ, gen)
+        paged_mqa_logits_aiter.paged_mqa_logits(q, cache48, weights, ctx, bt48, 80, 48, True)
+    with pytest.raises(AiterFault, match="power of 2"):
+        mqa_logits_aiter.mqa_logits(random_fp8((2, 24, 128), FNUZ, gen), random_fp8((3, 128), FNUZ, gen),
+                                    torch.rand(3), torch.randn(2, 24), torch.zeros(2, dtype=torch.int32),
+                                    torch.ones(2, dtype=torch.int32))
 
 
 def test_quant_cache_store_wiring_applies_the_input_epilogue_first(monkeypatch):
     """aiter quantizes what it is given: the scaled, bf16-rounded K, not the fp32 GEMM output."""
-    rec = _install(monkeypatch, NEW_TRITON_PKG)
+    calls, _ = _simulate(monkeypatch, FAMILIES["0.1.20"])
     y = torch.randn(5, 128) * 30
-    quant_cache_store_aiter.quant_cache_store(y, torch.zeros(3, 64 * 132, dtype=torch.uint8), torch.arange(5), 64,
-                                              True, "ue8m0", FNUZ, 128**-0.5, torch.bfloat16)
-    [(name, call)] = rec.calls
-    assert torch.equal(call.arguments["k"], (y * 128**-0.5).bfloat16())
-
-
-def test_gather_k_wiring(monkeypatch):
-    rec = _install(monkeypatch, NEW_TRITON_PKG)
-    cache = torch.zeros(4, 64 * 132, dtype=torch.uint8)
-    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    cu = torch.tensor([0, 70, 90], dtype=torch.int32)
-    k, scale = gather_k_aiter.gather_k(cache, block_table, cu, 64, True, 96, FN)
-    [(name, call)] = rec.calls
-    assert name == "cp_gather_indexer_k_quant_cache"
-    args = call.arguments
-    assert args["kv_cache"].shape == (4, 64, 132) and args["kv_cache"].dtype == FN
-    assert args["dst_k"] is k and k.shape == (96, 128) and k.dtype == FN
-    assert args["dst_scale"].shape == (96, 4) and args["dst_scale"].dtype == torch.uint8
-    assert args["block_table"] is block_table and args["cu_seq_lens"] is cu and args["preshuffle"] is True
-    assert scale.dtype == torch.float32 and scale.shape == (96,) and scale[0] == 0.5
-    assert not k[90:].view(torch.uint8).any() and not scale[90:].any(), "rows past cu_seqlens[-1] must be zero"
-
-
-@pytest.mark.parametrize("triton_pkg", [NEW_TRITON_PKG, OLD_TRITON_PKG])
-@pytest.mark.parametrize("next_n", [1, 2])
-def test_paged_mqa_logits_wiring_and_inf_fill(monkeypatch, triton_pkg, next_n):
-    rec = _install(monkeypatch, triton_pkg)
-    gen = torch.Generator().manual_seed(0)
-    cache = random_cache(4, 64, FN, gen)
-    q = random_fp8((2, next_n, 32, 128), FN, gen)
-    weights = torch.randn(2 * next_n, 32)
-    ctx = torch.tensor([0, 70], dtype=torch.int32)
-    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    out = paged_mqa_logits_aiter.paged_mqa_logits(q, cache, weights, ctx, block_table, 300, 64, True)
-    [(name, call)] = rec.calls
-    assert name == "deepgemm_fp8_paged_mqa_logits"
-    args = call.arguments
-    assert args["q_fp8"] is q and args["weights"] is weights and args["out_logits"] is out
-    kv = args["kv_cache"]
-    assert kv.shape == (4, 64, 1, 132) and kv.dtype == FN and kv.data_ptr() == cache.data_ptr()
-    assert args["context_lens"] is ctx and args["kv_indices"] is block_table and args["max_model_len"] == 300
-    assert args["Preshuffle"] is True and args["KVBlockSize"] == 64
-    assert out.shape == (2 * next_n, 300)
-    for row in range(2 * next_n):
-        visible = max(int(ctx[row // next_n]) - next_n + row % next_n + 1, 0)
-        assert (out[row, :visible] == 2.0).all() and torch.isneginf(out[row, visible:]).all()
-
-
-@pytest.mark.parametrize("triton_pkg", [NEW_TRITON_PKG, OLD_TRITON_PKG])
-@pytest.mark.parametrize("with_clean_logits", [True, False])
-def test_mqa_logits_wiring(monkeypatch, triton_pkg, with_clean_logits):
-    rec = _install(monkeypatch, triton_pkg, with_clean_logits)
-    gen = torch.Generator().manual_seed(0)
-    q, k = random_fp8((6, 16, 128), FN, gen), random_fp8((9, 128), FN, gen)
-    k_scale, weights = torch.rand(9), torch.randn(6, 16)
-    ks, ke = torch.zeros(6, dtype=torch.int32), torch.arange(1, 7, dtype=torch.int32)
-    out = mqa_logits_aiter.mqa_logits(q, k, k_scale, weights, ks, ke)
-    [(name, call)] = rec.calls
-    assert name == "fp8_mqa_logits"
-    args = call.arguments
-    assert [args[n] for n in ("Q", "KV", "kv_scales", "weights", "cu_starts", "cu_ends")] == [q, k, k_scale, weights,
-                                                                                            ks, ke]
-    assert args.get("clean_logits", True) is True
-    assert out.shape == (6, 9) and out.is_contiguous()
-
-
-def test_op_routes_to_aiter(monkeypatch):
-    rec = _install(monkeypatch, NEW_TRITON_PKG)
-    monkeypatch.setattr(_common, "choose_backend", lambda op, device, fp8_dtype: "aiter")
-    gen = torch.Generator().manual_seed(0)
-    cache = random_cache(2, 16, FN, gen)
-    torch.ops.nsa.quant_cache_store(torch.randn(3, 128).bfloat16(), cache, torch.tensor([0, 1, 2]), 16, True, "ue8m0")
-    torch.ops.nsa.paged_mqa_logits(random_fp8((1, 1, 16, 128), FN, gen), cache, torch.randn(1, 16),
-                                   torch.tensor([5], dtype=torch.int32), torch.tensor([[1, 0]], dtype=torch.int32),
-                                   32, 16, True)
-    assert [name for name, _ in rec.calls] == ["indexer_k_quant_and_cache", "deepgemm_fp8_paged_mqa_logits"]
-
-
-def _capability(platform: str, aiter: bool, fp8: torch.dtype) -> Capability:
-    return Capability(platform=platform, device_name="test", aiter_available=aiter, aiter_disabled=False,
-                      triton_version="3.6.0", aiter_aot=False, preshuffle_disabled=False, fp8_dtype=fp8)
+    cache = torch.zeros(3, 64 * 132, dtype=torch.uint8)
+    torch.ops.nsa.quant_cache_store(y, cache, torch.arange(5), 64, True, "ue8m0", FNUZ, 128**-0.5, torch.bfloat16)
+    [(name, call)] = calls
+    assert name == "indexer_k_quant_and_cache" and torch.equal(call["k"], (y * 128**-0.5).bfloat16())
+    assert call["kv_cache"].data_ptr() == cache.data_ptr()
 
 
 @pytest.mark.parametrize(
@@ -217,10 +250,12 @@ def _capability(platform: str, aiter: bool, fp8: torch.dtype) -> Capability:
         ("cuda", False, "quant_cache_store", FN, "triton"),
         ("cuda", False, "quant_cache_store", FNUZ, "torch"),  # no fnuz in Triton on NVIDIA
         ("cuda", False, "gather_k", FNUZ, "triton"),  # a byte copy
+        ("rocm", True, "gather_k", FNUZ, "triton"),  # aiter's gather needs rows == cu_seqlens[-1]
     ],
 )
 def test_backend_choice(monkeypatch, platform, aiter, op, fp8, want):
-    cap = _capability(platform, aiter, FNUZ if platform == "rocm" else FN)
+    cap = _capability(FAMILIES["0.1.20"], platform=platform, aiter_available=aiter,
+                      fp8_dtype=FNUZ if platform == "rocm" else FN, gfx_arch="gfx942" if platform == "rocm" else "")
     monkeypatch.setattr(_common, "capability", lambda: cap)
     assert _common.choose_backend(op, torch.device("cuda"), fp8) == want
     assert _common.choose_backend(op, torch.device("cpu"), fp8) == "torch"

@@ -37,7 +37,7 @@ def gather_k(
     """The sequences' cached K as contiguous ``(k_fp8 [num_tokens,128], k_scale [num_tokens])``; spare rows zero."""
     _validate(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
     block_table, cu_seqlens = contiguous(block_table, cu_seqlens)
-    run = implementation("gather_k", cache.device, fp8_dtype)
+    run = implementation("gather_k", cache.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle)
     return run(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
 
 

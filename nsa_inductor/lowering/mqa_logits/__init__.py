@@ -36,7 +36,7 @@ def mqa_logits(
     """Ragged (prefill) logits ``[T, N]`` fp32: row t sees keys ``ks[t] <= n < ke[t]``, -inf elsewhere."""
     _validate(q_fp8, k_fp8, k_scale, weights, ks, ke)
     args = contiguous(q_fp8, k_fp8, k_scale, weights, ks, ke)
-    return implementation("mqa_logits", q_fp8.device, q_fp8.dtype)(*args)
+    return implementation("mqa_logits", q_fp8.device, q_fp8.dtype, heads=q_fp8.shape[1])(*args)
 
 
 @mqa_logits.register_fake

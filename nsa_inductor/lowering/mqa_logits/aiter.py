@@ -1,12 +1,13 @@
 """``nsa.mqa_logits`` through aiter's ``fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends,
-clean_logits=True)`` in ``aiter.ops.triton.attention.fp8_mqa_logits`` (``aiter.ops.triton.fp8_mqa_logits`` in
-older releases, which have no ``clean_logits`` and always fill -inf). It returns a column slice of a 256-aligned
-buffer, so the result is made contiguous here."""
+clean_logits=True)`` in ``aiter.ops.triton.attention.fp8_mqa_logits`` (``aiter.ops.triton.fp8_mqa_logits`` before
+aiter 0.1.10). ``clean_logits`` (aiter >= 0.1.15) defaults to True, and older releases always fill -inf, so it is
+never passed: every release writes -inf outside ``[ks, ke)``. From 0.1.15 it returns a column slice of a 256-aligned
+buffer, so the result is made contiguous here. aiter asserts a power-of-two head count: the dispatch
+(``capability.aiter_refusal``) sends other head counts to the Triton kernel."""
 
 from __future__ import annotations
 
 import functools
-import inspect
 
 from .._aiter_common import import_first
 
@@ -17,12 +18,5 @@ def _ragged_logits_fn():
     return module.fp8_mqa_logits
 
 
-@functools.cache
-def _accepts_clean_logits(fn) -> bool:
-    return "clean_logits" in inspect.signature(fn).parameters
-
-
 def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke):
-    fn = _ragged_logits_fn()
-    extra = {"clean_logits": True} if _accepts_clean_logits(fn) else {}
-    return fn(q_fp8, k_fp8, k_scale, weights, ks, ke, **extra).contiguous()
+    return _ragged_logits_fn()(q_fp8, k_fp8, k_scale, weights, ks, ke).contiguous()

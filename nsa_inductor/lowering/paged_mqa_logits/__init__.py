@@ -42,7 +42,9 @@ def paged_mqa_logits(
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
     q_fp8, weights, context_lens, block_table = contiguous(q_fp8, weights, context_lens, block_table)
     args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
-    return implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype)(*args)
+    run = implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype, page_size=page_size, preshuffle=preshuffle,
+                         heads=q_fp8.shape[2])
+    return run(*args)
 
 
 @paged_mqa_logits.register_fake

@@ -1,6 +1,11 @@
 """``nsa.paged_mqa_logits`` through aiter's ``deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits,
 context_lens, kv_indices, max_model_len, Preshuffle=False, KVBlockSize=1, ...)`` in
-``aiter.ops.triton.attention.pa_mqa_logits`` (``aiter.ops.triton.pa_mqa_logits`` in older releases)."""
+``aiter.ops.triton.attention.pa_mqa_logits`` (``aiter.ops.triton.pa_mqa_logits`` before aiter 0.1.10).
+
+Only the two layouts aiter reads correctly reach this module (``capability.aiter_refusal``): flat (page_size 1, no
+preshuffle) and preshuffle with a page size aiter's ChunkK 256 accepts, on a gluon GPU. Row-major pages with
+page_size > 1 never come here: aiter's non-preshuffle kernels read the block table as one slot per token whatever
+``KVBlockSize`` says. ``Preshuffle``/``KVBlockSize`` exist from aiter 0.1.8 (older releases are refused)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def quant_cache_store(
     (``(x @ H * 128**-0.5).to(bf16)``), which then needs no kernel of its own."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)
     k, slot_mapping = contiguous(k, slot_mapping)
-    run = implementation("quant_cache_store", k.device, fp8_dtype)
+    run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle)
     run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype)
 
 
