@@ -34,7 +34,7 @@ from ..layout import KCacheLayout
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import (VALUE_COPIES, VIEW_OPS, aten, arg, evaluate, insert_call, is_op, norm_dim, prims, same_shape,
-                       slice_params, sym_equal, val, walk_back)
+                       slice_params, known_ge, sym_equal, val, walk_back)
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
@@ -142,6 +142,22 @@ def _tokens(slot: torch.fx.Node):
     return 1 if val(slot).dim() == 0 else val(slot).shape[0]
 
 
+def _same_tokens(a, b) -> bool:
+    """Token counts ``a`` (rows written, rows of K) and ``b`` (the slot mapping's) are equal for every input the graph
+    accepts: provably equal, or two sizes each known to be >= 2 that are broadcast together (a size >= 2 broadcasts
+    only to itself, so eager raises unless they are equal). Dynamo gives the rows of ``x`` and the slot mapping's
+    length two symbols when nothing in the graph compares them elementwise; :func:`_unify_tokens` records the
+    equality the graph relies on."""
+    return sym_equal(a, b) or (known_ge(a, 2) and known_ge(b, 2))
+
+
+def _unify_tokens(a, b) -> None:
+    """Tell the shape environment ``a == b`` (a guard every valid input meets, see :func:`_same_tokens`), so the op's
+    fake sees one token count."""
+    if not sym_equal(a, b):
+        torch._check(a == b, lambda: f"the slot mapping's length {b} and K's rows {a} must be equal")
+
+
 def _per_slot(compute, slot: torch.fx.Node, probe: torch.Tensor) -> torch.Tensor:
     """``[probe, -1]``: row ``i`` is what ``compute`` gives for probe slot ``i``.
 
@@ -238,7 +254,10 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
             offsets = _written_offsets(dest, indices, slot, probe)
             payload = _masked_payload(values, dest, indices, slot, probe) if accumulate else values
             if not _one_row_per_token(payload, slot, offsets.shape[1]):
-                raise NearMiss("the written values are not one row of bytes per token")
+                pval = val(payload)
+                raise NearMiss(f"the written values are not one row of bytes per token (values {pval.dtype} "
+                               f"{list(pval.shape)}, {offsets.shape[1]} bytes per token, slot mapping "
+                               f"{list(val(slot).shape)})")
             writes.append(Write(node, offsets, accumulate, payload))
             node = _dest_root(dest, scatters)
         else:
@@ -255,7 +274,7 @@ def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_to
     if _one_token(slot):
         return str(pval.numel() * pval.element_size()) == str(bytes_per_token)
     shape = pval.shape
-    if len(shape) < 1 or str(shape[0]) != str(val(slot).shape[0]):
+    if len(shape) < 1 or not _same_tokens(shape[0], val(slot).shape[0]):
         return False
     row_bytes = pval.element_size()
     for size in shape[1:]:
@@ -370,7 +389,7 @@ def _check_offsets(writes: list[Write], layout: KCacheLayout, num_slots: int) ->
 
 
 def describe_cache(cache: torch.fx.Node) -> str:
-    """How reports name a cache input: its graph name, dtype and shape (e.g. ``arg7_1 u8[32, 2112]``)."""
+    """How reports name a cache input: its graph name, dtype and shape (e.g. ``arg7_1 uint8[64, 2112]``)."""
     cval = val(cache)
     shape = list(cval.shape) if isinstance(cval, torch.Tensor) else "?"
     return f"{cache.name} {str(getattr(cval, 'dtype', '?')).replace('torch.', '')}{shape}"
@@ -420,9 +439,10 @@ class QuantCacheStore(GraphPass):
         if _strip(scale_write.payload) is not _strip(quant.scale):
             raise NearMiss("the scale written is not the scale of the quantized values")
         kval = val(quant.k)
-        k_rows = kval.numel() // 128
-        if not sym_equal(_tokens(slot), k_rows):
+        k_rows = kval.shape[0] if kval.dim() == 2 else kval.numel() // 128
+        if not _same_tokens(k_rows, _tokens(slot)):
             raise NearMiss(f"the slot mapping has {_tokens(slot)} tokens, the quantized tensor {k_rows} rows")
+        _unify_tokens(k_rows, _tokens(slot))
 
         with graph.inserting_before(final):
             k = quant.k
