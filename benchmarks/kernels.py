@@ -222,7 +222,7 @@ def bench_topk(args, rows: list[dict]) -> None:
         for order in ("set", "sorted"):
             us = _graph_us(lambda: tk.topk_indices(logits, k, lengths, None, "neg1", order == "sorted"))
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", us, torch_us, nbytes),
-                         "config": f"block {min(max(1 << (width - 1).bit_length(), 128), tk.MAX_BLOCK)}"})
+                         "config": f"block {tk.block_for(width)}"})
         del logits
 
 

@@ -133,6 +133,11 @@ def _topk_indices_kernel(logits, lengths, offset, out, n_cols, stride_row, k,
         tl.store(dst + slots, tl.where(packed == empty, -1, (packed & 0xFFFFFFFF).to(tl.int32)), mask=slots < k)
 
 
+def block_for(n_cols: int) -> int:
+    """Columns held in registers for rows of ``n_cols``: the whole row up to ``MAX_BLOCK``."""
+    return min(max(triton.next_power_of_2(n_cols), 128), MAX_BLOCK)
+
+
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the streamed path at small sizes."""
@@ -141,7 +146,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
     if rows == 0 or k == 0:
         return out
-    block = block or min(max(triton.next_power_of_2(n_cols), 128), MAX_BLOCK)
+    block = block or block_for(n_cols)
     sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
     _topk_indices_kernel[(rows,)](
         logits, lengths if lengths is not None else logits, offset if offset is not None else logits, out,
