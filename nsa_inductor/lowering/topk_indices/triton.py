@@ -54,7 +54,16 @@ def _keys(src, col):
 
 
 @triton.jit
-def _count_at_least(src, cand, u0, pos, n_pos, bound, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+def _position_keys(src, cand_keys, pos, n_pos, GATHER: tl.constexpr):
+    """Keys at positions ``pos`` (0 past ``n_pos``): of the row's columns, or with ``GATHER`` the candidates' keys
+    their segments wrote (contiguous: no gather of the logits per bisection step)."""
+    if GATHER:
+        return tl.load(cand_keys + pos, mask=pos < n_pos, other=0).to(tl.uint32, bitcast=True)
+    return _keys(src, tl.where(pos < n_pos, pos, -1))
+
+
+@triton.jit
+def _count_at_least(src, cand_keys, u0, pos, n_pos, bound, GATHER: tl.constexpr, BLOCK: tl.constexpr,
                     ONE_BLOCK: tl.constexpr):
     """Keys >= bound (> 0: positions without a column never count)."""
     if ONE_BLOCK:
@@ -62,13 +71,13 @@ def _count_at_least(src, cand, u0, pos, n_pos, bound, GATHER: tl.constexpr, BLOC
     else:
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, n_pos, BLOCK):
-            u = _keys(src, _columns(cand, start + pos, n_pos, GATHER))
+            u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
             count += tl.sum((u >= bound).to(tl.int32), axis=0)
     return count
 
 
 @triton.jit
-def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row, k, n_segments,
+def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, stride_row, k, n_segments,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
                          ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr):
@@ -81,18 +90,21 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
     n_pos = length
     col_base = tl.zeros((), dtype=tl.int64)  # column of position 0 (a segment's first)
     dst = out + row * k
-    if MODE == 1:  # SEGMENTS: this program's segment; it writes its top k as absolute columns, then -1
+    keys_dst = cand_keys
+    if MODE == 1:  # SEGMENTS: this program's segment; it writes its top k (absolute columns and keys), then -1 / 0
         segment = tl.program_id(1)
         col_base = segment.to(tl.int64) * BLOCK
         src += col_base
         n_pos = tl.minimum(tl.maximum(length - segment * BLOCK, 0), BLOCK)
         take = tl.minimum(k, n_pos)
         dst = cand + (row * n_segments + segment) * k
+        keys_dst = cand_keys + (row * n_segments + segment) * k
     cand_row = cand + row * n_segments * k
+    keys_row = cand_keys + row * n_segments * k
     if MODE == 2:  # CANDIDATES: the columns this row's segments wrote
         n_pos = n_segments * k
     pos = tl.arange(0, BLOCK)
-    u0 = _keys(src, _columns(cand_row, pos, n_pos, MODE == 2))
+    u0 = _position_keys(src, keys_row, pos, n_pos, MODE == 2)
 
     # Invariants of the bisection on the key bits, top down: count(key >= bound) = at_bound >= take, and
     # above_bound = count(key >= the last bound that failed) < take, i.e. count(key > bound) once all bits are set.
@@ -100,8 +112,8 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
     # (k = 0 starts at the highest key: nothing is above it, and no tie is needed.)
     n_valid = n_pos
     if MODE == 2:
-        n_valid = _count_at_least(src, cand_row, u0, pos, n_pos, 1, True, BLOCK, ONE_BLOCK)
-    n_finite = _count_at_least(src, cand_row, u0, pos, n_pos, KEY_NEG_INF + 1, MODE == 2, BLOCK, ONE_BLOCK)
+        n_valid = _count_at_least(src, keys_row, u0, pos, n_pos, 1, True, BLOCK, ONE_BLOCK)
+    n_finite = _count_at_least(src, keys_row, u0, pos, n_pos, KEY_NEG_INF + 1, MODE == 2, BLOCK, ONE_BLOCK)
     bound = tl.full((), 0, tl.uint32)
     bound = tl.where(n_finite < take, tl.full((), KEY_NEG_INF, tl.uint32), bound)
     bound = tl.where(take == 0, tl.full((), 0xFFFFFFFF, tl.uint32), bound)
@@ -111,7 +123,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
     go = (take > 0) & (at_bound != take) & (n_finite >= take)
     while go:
         trial = bound | (tl.full((), 1, tl.uint32) << shift)
-        count = _count_at_least(src, cand_row, u0, pos, n_pos, trial, MODE == 2, BLOCK, ONE_BLOCK)
+        count = _count_at_least(src, keys_row, u0, pos, n_pos, trial, MODE == 2, BLOCK, ONE_BLOCK)
         bound = tl.where(count >= take, trial, bound)
         above_bound = tl.where(count >= take, above_bound, count)
         at_bound = tl.where(count >= take, count, at_bound)
@@ -132,7 +144,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
         if ONE_BLOCK:
             u = u0
         else:
-            u = _keys(src, col)
+            u = _position_keys(src, keys_row, start + pos, n_pos, MODE == 2)
         is_above = (u > 0) & ((u > bound) | ((u == bound) & exact))
         is_tie = (u > 0) & (u == bound) & (at_bound != take)
         ranks = tl.cumsum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), axis=0)  # two counts, one scan
@@ -144,7 +156,10 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
         if MODE != 1 and not PAD_COLUMNS:
             index = tl.where(u == KEY_NEG_INF, -1, index)
         # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
-        tl.store(dst + slot, index.to(tl.int32), mask=(is_above.to(tl.int32) + chosen_tie.to(tl.int32)) > 0)
+        chosen = (is_above.to(tl.int32) + chosen_tie.to(tl.int32)) > 0
+        tl.store(dst + slot, index.to(tl.int32), mask=chosen)
+        if MODE == 1:
+            tl.store(keys_dst + slot, u.to(tl.int32, bitcast=True), mask=chosen)
         above_seen += tl.sum(is_above.to(tl.int32), axis=0)
         ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
 
@@ -154,6 +169,8 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
         if PAD_COLUMNS and MODE != 1:  # distinct columns past the row's length (k <= N, and they read as -inf)
             fill = length + (slot - take).to(tl.int64) - shift_cols
         tl.store(dst + slot, fill.to(tl.int32), mask=slot < k)
+        if MODE == 1:
+            tl.store(keys_dst + slot, tl.zeros((BLOCK,), tl.int32), mask=slot < k)
 
     if SORTED:  # descending value order: sort the k survivors by (key, index) in registers
         tl.debug_barrier()
@@ -163,7 +180,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, out, n_cols, stride_row,
         if not PAD_COLUMNS:
             marker |= index == -1
         col = index.to(tl.int64) + shift_cols
-        u = _keys(src, tl.where((col >= 0) & (col < length), col, -1))
+        u = tl.maximum(_keys(src, tl.where((col >= 0) & (col < length), col, -1)), KEY_NEG_INF)  # past it: -inf
         signed = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
         empty = tl.full((), -9223372036854775807, tl.int64) - 1  # below every selected key
         packed = tl.where(marker, empty, (signed << 32) | (index.to(tl.int64) & 0xFFFFFFFF))
@@ -184,9 +201,12 @@ def segments_for(n_cols: int, k: int, block: int) -> int:
     return segments if segments > 1 and 2 * segments * k <= n_cols else 1
 
 
-def warps_for(rows: int, block: int) -> int:
-    """Warps per program: fewer where many rows fill the GPU anyway or the block is small."""
-    return 4 if rows >= 1024 or block <= 1024 else 8
+def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
+    """Warps per program: fewer where many rows fill the GPU anyway or the block is small; more for the in-register
+    sort (BENCHMARKS.md, top-k warps)."""
+    if rows >= 1024 or block <= 1024:
+        return 4
+    return 16 if sort_in_kernel else 8
 
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None):
@@ -201,18 +221,20 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
     segments = segments_for(n_cols, k, block)
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column",
-                 BLOCK=block, K_POW2=triton.next_power_of_2(k), num_warps=warps_for(rows, block))
+                 BLOCK=block, K_POW2=triton.next_power_of_2(k), num_warps=warps_for(rows, block, sort_in_kernel))
     lengths_arg = lengths if lengths is not None else logits
     offset_arg = offset if offset is not None else logits
     if segments == 1:
-        _topk_indices_kernel[(rows,)](logits, lengths_arg, offset_arg, out, out, n_cols, logits.stride(0), k, 1,
+        _topk_indices_kernel[(rows,)](logits, lengths_arg, offset_arg, out, out, out, n_cols, logits.stride(0), k, 1,
                                       MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, **flags)
     else:
         cand = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)
-        _topk_indices_kernel[(rows, segments)](logits, lengths_arg, offset_arg, cand, out, n_cols, logits.stride(0),
-                                               k, segments, MODE=SEGMENTS, SORTED=False, ONE_BLOCK=True, **flags)
-        _topk_indices_kernel[(rows,)](logits, lengths_arg, offset_arg, cand, out, n_cols, logits.stride(0), k,
-                                      segments, MODE=CANDIDATES, SORTED=sort_in_kernel,
+        cand_keys = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
+        _topk_indices_kernel[(rows, segments)](logits, lengths_arg, offset_arg, cand, cand_keys, out, n_cols,
+                                               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False,
+                                               ONE_BLOCK=True, **flags)
+        _topk_indices_kernel[(rows,)](logits, lengths_arg, offset_arg, cand, cand_keys, out, n_cols, logits.stride(0),
+                                      k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel,
                                       ONE_BLOCK=segments * k <= block, **flags)
     if sorted and not sort_in_kernel:
         cols = out.long() + (0 if offset is None else offset.long()[:, None])
