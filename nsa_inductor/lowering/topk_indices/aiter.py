@@ -38,13 +38,14 @@ def _topk_ops():
 
 def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` itself when aiter can read it (contiguous columns, rows ``stride0`` apart), else a copy."""
-    rows, cols = logits.shape
+    cols = logits.shape[1]
     if (cols > 1 and logits.stride(1) != 1) or logits.stride(0) < cols:
         return logits.contiguous()
     return logits
 
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False):
+    """The op's result (see ``nsa.topk_indices``) from aiter's decode top-k, adapted as the module docstring says."""
     if sorted:
         raise ValueError("aiter's top-k returns an unordered set: sorted=True runs the Triton kernel")
     rows, cols = logits.shape
