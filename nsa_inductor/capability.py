@@ -50,7 +50,9 @@ AITER_DIST = "amd-aiter"  # aiter's distribution name (setup.py PACKAGE_NAME)
 
 # What the aiter dispatch relies on, as (function, keyword or None for the function itself, first aiter release
 # that has it). Read in ROCm/aiter's tags: aiter/ops/cache.py, aiter/ops/triton/{attention/,}pa_mqa_logits.py,
-# fp8_mqa_logits.py. Signature inspection of the installed aiter wins over the version.
+# fp8_mqa_logits.py, aiter/ops/topk.py. Signature inspection of the installed aiter wins over the version where it
+# tells something: aiter's compiled ops (``@compile_ops``: the cache ops, top-k before 0.1.17) show only
+# ``(*args, **kwargs)``, so for them the version decides.
 AITER_FEATURES: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "quant_store": ("indexer_k_quant_and_cache", None, (0, 1, 7)),
     "quant_store_preshuffle": ("indexer_k_quant_and_cache", "preshuffle", (0, 1, 13)),
@@ -59,7 +61,11 @@ AITER_FEATURES: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "paged_logits": ("deepgemm_fp8_paged_mqa_logits", "KVBlockSize", (0, 1, 8)),  # with Preshuffle
     "ragged_logits": ("fp8_mqa_logits", None, (0, 1, 7)),
     "clean_logits": ("fp8_mqa_logits", "clean_logits", (0, 1, 15)),
+    "topk": ("top_k_per_row_decode", "k", (0, 1, 14)),  # k fixed at 2048 before
 }
+# aiter 0.1.14-0.1.16's top_k_per_row_decode may launch its multi-block kernel (a cross-block spin barrier; chosen
+# from the allocated row width): from 0.1.17 decode is always one block per row (aiter #3773).
+TOPK_ONE_BLOCK_SINCE = (0, 1, 17)
 
 
 def _env_flag(name: str) -> bool:
@@ -106,14 +112,15 @@ class Capability:
     aiter_version: str | None = None  # the installed amd-aiter's version (None: unknown)
     gfx_arch: str = ""  # e.g. "gfx942" (ROCm only)
     aiter_aot_bundle: bool = False  # aiter's configs/paged_mqa_logits/aot kernels are present
-    # "function" and "function.keyword" names found by inspecting the installed aiter (sorted, so the cache key is
-    # the same in every process); None: not inspected, the version decides.
+    # "function" and "function.keyword" names found by inspecting the installed aiter, "function.*" for a function
+    # whose signature tells nothing (sorted, so the cache key is the same in every process); None: not inspected,
+    # the version decides.
     aiter_params: tuple[str, ...] | None = None
 
     def aiter_has(self, feature: str) -> bool:
         """Whether the installed aiter has ``feature`` (a key of ``AITER_FEATURES``)."""
         function, keyword, since = AITER_FEATURES[feature]
-        if self.aiter_params is not None:
+        if self.aiter_params is not None and f"{function}.*" not in self.aiter_params:
             return (f"{function}.{keyword}" if keyword else function) in self.aiter_params
         return _version_tuple(self.aiter_version) >= since
 
@@ -201,35 +208,35 @@ _AITER_MODULES = {
     "cp_gather_indexer_k_quant_cache": ("aiter.ops.cache",),
     "deepgemm_fp8_paged_mqa_logits": ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits"),
     "fp8_mqa_logits": ("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits"),
+    "top_k_per_row_decode": ("aiter.ops.topk",),
 }
 
 
 def _aiter_params() -> tuple[str, ...] | None:
     """The aiter functions the dispatch uses and their keywords, by signature inspection (ROCm, first use only).
 
-    ``None`` when inspection tells nothing (aiter does not import, or wraps a function as ``(*args, **kwargs)``):
-    then the version decides."""
+    A function wrapped as ``(*args, **kwargs)`` (aiter's ``@compile_ops``) is listed as ``"function.*"``: its
+    features are then decided by the version. ``None`` when aiter does not import."""
     import inspect
 
     found: set[str] = set()
-    opaque = False
     for function, modules in _AITER_MODULES.items():
         for module_name in modules:
             try:
                 fn = getattr(importlib.import_module(module_name), function)
             except Exception:  # noqa: BLE001 - a missing or broken aiter module means: not available
                 continue
+            found.add(function)
             try:
                 params = inspect.signature(fn).parameters
             except (TypeError, ValueError):
-                opaque = True
-                break
+                params = {}
             if not params or all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
-                opaque = True
-            found.add(function)
-            found.update(f"{function}.{name}" for name in params)
+                found.add(f"{function}.*")
+            else:
+                found.update(f"{function}.{name}" for name in params)
             break
-    return None if opaque or not found else tuple(sorted(found))
+    return tuple(sorted(found)) if found else None
 
 
 def _triton_version() -> str | None:
@@ -271,15 +278,15 @@ def capability() -> Capability:
 # per-op aiter decision
 # ---------------------------------------------------------------------------------------------------------------
 
-AITER_OPS = ("quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits")
+AITER_OPS = ("quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices")
 
 
 def aiter_refusal(cap: Capability, op: str, *, page_size: int = 1, preshuffle: bool = False,
-                  heads: int | None = None) -> str | None:
+                  heads: int | None = None, sorted: bool | None = None) -> str | None:
     """Why aiter cannot serve this call of ``op`` on ``cap``'s machine; ``None`` when it can.
 
     Only static facts (shapes, flags, versions): a call the answer does not cover goes to the Triton kernel. A
-    ``heads`` of ``None`` (unknown, for :func:`describe`) is not held against aiter.
+    ``heads`` or ``sorted`` of ``None`` (unknown, for :func:`describe`) is not held against aiter.
     """
     if not cap.use_aiter:
         return "aiter not in use"
@@ -317,6 +324,16 @@ def aiter_refusal(cap: Capability, op: str, *, page_size: int = 1, preshuffle: b
             return f"aiter {version} has no fp8_mqa_logits (aiter >= 0.1.7)"
         if heads is not None and not _power_of_two(heads):
             return f"{heads} heads: aiter's fp8_mqa_logits asserts a power-of-two head count"
+        return None
+    if op == "topk_indices":
+        if not cap.aiter_has("topk"):
+            return f"aiter {version}'s top_k_per_row_decode has no k (fixed at 2048 before aiter 0.1.14)"
+        if _version_tuple(cap.aiter_version) < TOPK_ONE_BLOCK_SINCE:
+            return (f"aiter {version}'s top_k_per_row_decode may launch its multi-block kernel (cross-block spin "
+                    "barrier); one block per row from aiter 0.1.17")
+        if sorted:
+            # its `sorted` argument is unused ((void)sorted); stable=True (0.1.20) orders by column, not by value
+            return "sorted=True: aiter's top-k returns the set unordered"
         return None
     raise ValueError(f"op must be one of {AITER_OPS}, got {op!r}")
 
@@ -429,7 +446,8 @@ def aiter_routes(cap: Capability, layout: KCacheLayout) -> str:
     parts = []
     for op in AITER_OPS:
         why = aiter_refusal(cap, op, page_size=layout.page_size, preshuffle=layout.preshuffle)
-        note = {"paged_mqa_logits": "power-of-two heads >= 16", "mqa_logits": "power-of-two heads"}.get(op)
+        note = {"paged_mqa_logits": "power-of-two heads >= 16", "mqa_logits": "power-of-two heads",
+                "topk_indices": "sorted=False"}.get(op)
         parts.append(f"{op}=triton [{why}]" if why else f"{op}=aiter" + (f" [{note}]" if note else ""))
     return " ops: " + ", ".join(parts)
 

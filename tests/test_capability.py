@@ -169,14 +169,19 @@ DESCRIBE_TABLE = [
     (rocm("3.6.0", aiter="0.1.20"), {},
      ["gfx942", "aiter=0.1.20", "layout=preshuffle(page_size=64)", "quant_cache_store=aiter",
       "gather_k=triton [cp_gather_indexer_k_quant_cache needs num_tokens == cu_seqlens[-1]",
-      "paged_mqa_logits=aiter [power-of-two heads >= 16]", "mqa_logits=aiter [power-of-two heads]"], []),
+      "paged_mqa_logits=aiter [power-of-two heads >= 16]", "mqa_logits=aiter [power-of-two heads]",
+      "topk_indices=aiter [sorted=False]"], []),
     (rocm("3.6.0", aiter="0.1.20"), {"NSA_INDUCTOR_LAYOUT": "paged"},
      ["layout=paged(page_size=64) (requested by NSA_INDUCTOR_LAYOUT)", "quant_cache_store=aiter",
       "paged_mqa_logits=triton [row-major pages (page_size 64)"], []),
     (rocm("3.6.0", aiter="0.1.20"), {"NSA_INDUCTOR_DISABLE_PRESHUFFLE": "1"},
      ["layout=flat(page_size=1)", "paged_mqa_logits=aiter"], []),
     (rocm("3.6.0", aiter="0.1.12"), {},
-     ["aiter=0.1.12", "layout=flat(page_size=1)", "no preshuffle (aiter >= 0.1.13)", "paged_mqa_logits=aiter"], []),
+     ["aiter=0.1.12", "layout=flat(page_size=1)", "no preshuffle (aiter >= 0.1.13)", "paged_mqa_logits=aiter",
+      "topk_indices=triton [aiter 0.1.12's top_k_per_row_decode has no k (fixed at 2048 before aiter 0.1.14)]"], []),
+    (rocm("3.6.0", aiter="0.1.14"), {},
+     ["topk_indices=triton [aiter 0.1.14's top_k_per_row_decode may launch its multi-block kernel"], []),
+    (rocm("3.6.0", aiter="0.1.17"), {}, ["topk_indices=aiter [sorted=False]"], []),
     (rocm("3.6.0", aiter="0.1.12"), {"NSA_INDUCTOR_LAYOUT": "preshuffle"},
      ["layout=preshuffle(page_size=64)", "quant_cache_store=triton [aiter 0.1.12's indexer_k_quant_and_cache has no "
       "preshuffle (aiter >= 0.1.13)]", "paged_mqa_logits=triton"], []),
@@ -220,3 +225,27 @@ def test_capability_is_cached_and_describes_itself():
     line = cap_mod.describe()
     assert line.startswith("nsa_inductor: platform=") and "\n" not in line
     assert dataclasses.replace(rocm(), aiter_disabled=True).kernel_backend == "triton"
+
+
+@pytest.mark.parametrize("params, version, has_k", [
+    (None, "0.1.20", True),  # not inspected: the version decides
+    (None, "0.1.12", False),
+    (("top_k_per_row_decode", "top_k_per_row_decode.*"), "0.1.14", True),  # @compile_ops wrapper: the version
+    (("top_k_per_row_decode", "top_k_per_row_decode.*"), "0.1.12", False),
+    (("top_k_per_row_decode", "top_k_per_row_decode.k", "top_k_per_row_decode.logits"), "git", True),
+    (("top_k_per_row_decode", "top_k_per_row_decode.logits"), "0.1.20", False),  # inspected: no k keyword
+    (("fp8_mqa_logits", "fp8_mqa_logits.Q"), "0.1.20", False),  # aiter.ops.topk did not import
+])
+def test_signature_inspection_per_function(params, version, has_k):
+    """A function aiter wraps as ``(*args, **kwargs)`` is decided by the version; the others by their keywords."""
+    assert dataclasses.replace(rocm(aiter=version), aiter_params=params).aiter_has("topk") is has_k
+
+
+@pytest.mark.parametrize("version, sorted_, why", [
+    ("0.1.20", False, None), ("0.1.17", None, None), ("0.1.20", True, "sorted=True"),
+    ("0.1.16", False, "multi-block"), ("0.1.13", False, "has no k"), (None, False, "has no k"),
+])
+def test_topk_refusal(version, sorted_, why):
+    got = cap_mod.aiter_refusal(rocm(aiter=version) if version else dataclasses.replace(rocm(), aiter_version=None),
+                                "topk_indices", sorted=sorted_)
+    assert got is None if why is None else why in got

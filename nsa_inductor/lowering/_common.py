@@ -78,17 +78,18 @@ def _log_once(message: str) -> None:
     log.warning(message)
 
 
-def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype, **static) -> str:
+def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype | None, **static) -> str:
     """``"aiter"``, ``"triton"`` or ``"torch"`` for one call of ``op`` (an op with an aiter kernel) on ``device``.
 
-    ``static``: the call's static facts aiter's preconditions depend on (``page_size``, ``preshuffle``, ``heads``);
-    a call aiter cannot serve goes to Triton, never to aiter."""
+    ``fp8_dtype``: the call's fp8 type (``None`` for an op without fp8 operands). ``static``: the call's static facts
+    aiter's preconditions depend on (``page_size``, ``preshuffle``, ``heads``, ``sorted``); a call aiter cannot serve
+    goes to Triton, never to aiter."""
     if device.type == "cpu":
         return "torch"
     cap = capability()
     if cap.use_aiter:
-        why = (f"fp8 type {fp8_dtype} is not this GPU's ({cap.fp8_dtype})" if fp8_dtype != cap.fp8_dtype
-               else aiter_refusal(cap, op, **static))
+        why = (f"fp8 type {fp8_dtype} is not this GPU's ({cap.fp8_dtype})"
+               if fp8_dtype is not None and fp8_dtype != cap.fp8_dtype else aiter_refusal(cap, op, **static))
         if why is None:
             return "aiter"
         _log_once(f"nsa_inductor: nsa.{op} runs the Triton kernel, not aiter's: {why}")
@@ -109,13 +110,13 @@ def _function(op: str, backend: str):
     return getattr(importlib.import_module(f"{__package__}.{op}.{_MODULES[backend]}"), op)
 
 
-def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype, **static):
+def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype | None, **static):
     """The function that runs this call of ``op``, an op aiter has a kernel for (``static``: see choose_backend)."""
     return _function(op, choose_backend(op, device, fp8_dtype, **static))
 
 
 def triton_or_reference(op: str, device: torch.device):
-    """For the ops aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere."""
+    """For an op aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere."""
     return _function(op, "triton" if device.type != "cpu" and capability().use_triton else "torch")
 
 

@@ -18,6 +18,24 @@ Facts it encodes (file: what):
   are written. The kernels tile all heads at once (``ChunkQ = heads``: a power of two, declared divisible by 16).
 - ``fp8_mqa_logits.py``: a power-of-two head count is asserted; ``clean_logits`` from 0.1.15, whose result is a
   column slice of a 256-aligned buffer; the module moved to ``aiter.ops.triton.attention`` in 0.1.10.
+- ``aiter/ops/topk.py``, ``csrc/kernels/topk_per_row_kernels.cu``: ``top_k_per_row_decode(logits, next_n, seqLens,
+  indices, numRows, stride0, stride1)`` and ``top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, numRows,
+  stride0, stride1)`` from 0.1.7; prefill gets ``values`` after ``indices`` in 0.1.8; both get ``k=2048`` in 0.1.14
+  (k is fixed at 2048 before: the kernel writes 2048 entries per row) and ``stable=False`` in 0.1.20. Row r is read
+  at ``logits + r * stride0`` with contiguous columns (``stride1`` is ignored); decode's row covers
+  ``[0, seqLens[r // next_n] - next_n + r % next_n + 1)``. A row no longer than k gets its columns in order then -1;
+  a longer one a top-k set in no order (here: descending column, ties broken towards high columns), as absolute
+  columns (prefill adds ``rowStart``; before 0.1.14 a long prefill row is read from column 0, not ``rowStart``;
+  0.1.7's prefill returns columns minus ``rowStart``). ``stable=True``: ties to the smallest column, ascending
+  column order. The ranking key is the float's bits xor 0x7fffffff unless the sign is set (0.1.14 on: so a NaN
+  with the sign bit set ranks below -inf); 0.1.8-0.1.13 test ``x < 0`` instead, so -0.0 ranks below -inf (0.1.7's
+  half-precision first pass is modelled with the 0.1.14 key). ``seqLens`` / ``indices`` must be int32 (0.1.20 reads
+  an int64 ``seqLens`` as int32 words). Functions under ``@compile_ops`` (cache ops; top-k before 0.1.17) show the
+  signature ``(*args, **kwargs)``, as aiter's ``torch_compile_guard`` wrapper does.
+- ``aiter/ops/quant.py`` ``rotate_activation(out, input)`` (0.1.14; ``scale``, ``group_size``, ``shuffle_scale``
+  keywords for its fp4 path later), ``csrc/kernels/dsv4_rotate_quant.cu``: bf16/fp16 in, fp32 butterflies
+  (strides 1, 2, 4, ... in natural Sylvester order), times ``1/sqrt(dim)`` in fp32, one rounding to ``out``'s type;
+  dim 128, 256, 512 or 1024.
 """
 
 from __future__ import annotations
@@ -48,6 +66,42 @@ class Machine:
 
 class AiterFault(AssertionError):
     """What would be a garbage read, a memory fault or an aiter assertion on the GPU."""
+
+
+def _compiled(fn):
+    """As aiter's ``@compile_ops`` wraps a function: the signature shows only ``(*args, **kwargs)``."""
+    def op(*args, **kwargs):
+        return fn(*args, **kwargs)
+    op.__name__ = fn.__name__
+    return op
+
+
+def _order_keys(x: torch.Tensor, sign_bit: bool) -> torch.Tensor:
+    """aiter's twiddle_in for fp32 (select largest): ascending key = descending value; int64 holding uint32."""
+    bits = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    negative = (bits >> 31).bool() if sign_bit else x < 0
+    return torch.where(negative, bits, bits ^ 0x7FFFFFFF)
+
+
+def _select(row: torch.Tensor, k: int, sign_bit: bool, stable: bool) -> list[int]:
+    """Columns of a top-k set of ``row`` (longer than k), in the order aiter emits them."""
+    cols = torch.arange(row.numel())
+    by_tie = cols if stable else cols.flip(0)  # ties: lowest columns first (stable), else highest
+    chosen = by_tie[torch.argsort(_order_keys(row, sign_bit)[by_tie], stable=True)[:k]]
+    return sorted(chosen.tolist(), reverse=not stable)
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """Walsh-Hadamard butterflies over the last dim in fp32, strides 1, 2, 4, ... (Sylvester natural order)."""
+    y = x.float().clone()
+    n = y.shape[-1]
+    h = 1
+    while h < n:
+        pairs = y.view(*y.shape[:-1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :].clone(), pairs[..., 1, :].clone()
+        pairs[..., 0, :], pairs[..., 1, :] = a + b, a - b
+        h *= 2
+    return y * torch.tensor(n ** -0.5, dtype=torch.float32)
 
 
 def _byte_offset(block: int, off: int, d: torch.Tensor, page: int, preshuffle: bool) -> torch.Tensor:
@@ -202,6 +256,99 @@ def install(monkeypatch, machine: Machine):
         calls.append(("fp8_mqa_logits", dict(Q=Q, KV=KV, clean_logits=clean_logits)))
         return _ragged(Q, KV, kv_scales, weights, cu_starts, cu_ends, aligned=True)
 
+    def _read_row(logits, r, stride0, start, length):
+        """``length`` fp32 values at ``logits + r * stride0 + start`` (stride1 ignored: columns contiguous)."""
+        check(logits.dtype == torch.float32, f"logits is read as fp32, got {logits.dtype}")
+        first = logits.storage_offset() + r * stride0 + start
+        check(first >= 0 and first + length <= logits.untyped_storage().nbytes() // 4,
+              f"row {r}: columns [{start}, {start + length}) at stride0 {stride0} read past the logits tensor")
+        return torch.as_strided(logits, (length,), (1,), first)
+
+    def _topk_rows(logits, indices, num_rows, stride0, k, windows, stable, relative):
+        """Write each row's top-k into ``indices`` as aiter does; ``windows[r] = (start, end)``."""
+        check(indices.dtype == torch.int32 and indices.is_contiguous(), "indices is written as contiguous int32")
+        check(indices.numel() >= num_rows * k, f"{num_rows} rows of {k} indices: writes past indices "
+                                               f"{list(indices.shape)}")
+        flat = indices.view(-1)
+        for r in range(num_rows):
+            start, end = windows[r]
+            length = end - start
+            if length <= k:
+                out = [(c - start if relative else c + start) if c < length else -1 for c in range(k)]
+            else:
+                if v < (0, 1, 14) and not relative:
+                    start = 0  # the one-block kernel reads the row from column 0 (fixed in aiter #2901)
+                row = _read_row(logits, r, stride0, start, length)
+                out = [c + (0 if relative else start) for c in _select(row, k, v < (0, 1, 8) or v >= (0, 1, 14),
+                                                                        stable)]
+            flat[r * k:(r + 1) * k] = torch.tensor(out, dtype=torch.int32)
+
+    def _int32_words(t, name):
+        if v >= (0, 1, 20):  # aiter_tensor_t: the pointer is read as int32 whatever the dtype
+            return t.contiguous().view(-1).view(torch.int32)
+        check(t.dtype == torch.int32, f"{name}: expected scalar type Int, got {t.dtype}")
+        return t
+
+    def _decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k=2048, stable=False):
+        calls.append(("top_k_per_row_decode", dict(logits=logits, next_n=next_n, seqLens=seqLens, indices=indices,
+                                                   numRows=numRows, stride0=stride0, stride1=stride1, k=k,
+                                                   stable=stable)))
+        if numRows <= 0:
+            return
+        lens = _int32_words(seqLens, "seqLens")
+        windows = [(0, int(lens[r // next_n]) - next_n + r % next_n + 1) for r in range(numRows)]
+        _topk_rows(logits, indices, numRows, stride0, k, windows, stable, relative=False)
+
+    def _prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1, k=2048, stable=False):
+        calls.append(("top_k_per_row_prefill", dict(logits=logits, rowStarts=rowStarts, rowEnds=rowEnds,
+                                                    indices=indices, values=values, numRows=numRows,
+                                                    stride0=stride0, stride1=stride1, k=k, stable=stable)))
+        if numRows <= 0:
+            return
+        starts, ends = _int32_words(rowStarts, "rowStarts"), _int32_words(rowEnds, "rowEnds")
+        windows = [(int(starts[r]), int(ends[r])) for r in range(numRows)]
+        _topk_rows(logits, indices, numRows, stride0, k, windows, stable, relative=v < (0, 1, 8))
+        if values is not None:
+            for r in range(numRows):
+                cols = indices[r].long()
+                row = _read_row(logits, r, stride0, 0, int(cols.max()) + 1) if cols.max() >= 0 else None
+                values[r] = torch.where(cols >= 0, row[cols.clamp(min=0)], 0.0) if row is not None else 0.0
+
+    if v >= (0, 1, 20):
+        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k=2048, stable=False):
+            _decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k, stable)
+
+        def top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1, k=2048,
+                                  stable=False):
+            _prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1, k, stable)
+    elif v >= (0, 1, 14):
+        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k=2048):
+            _decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k)
+
+        def top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1, k=2048):
+            _prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1, k)
+    elif v >= (0, 1, 8):
+        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
+            _decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
+
+        def top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1):
+            _prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1)
+    else:
+        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
+            _decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
+
+        def top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, numRows, stride0, stride1):
+            _prefill(logits, rowStarts, rowEnds, indices, None, numRows, stride0, stride1)
+    if v < (0, 1, 17):
+        top_k_per_row_decode, top_k_per_row_prefill = _compiled(top_k_per_row_decode), _compiled(top_k_per_row_prefill)
+
+    def rotate_activation(out, input, scale=None, group_size=None, shuffle_scale=True):
+        calls.append(("rotate_activation", dict(out=out, input=input)))
+        check(input.dtype in (torch.bfloat16, torch.float16) and out.dtype == input.dtype,
+              f"bf16/fp16 rotate: out is stored as the input's type, got {input.dtype} -> {out.dtype}")
+        check(input.shape[-1] in (128, 256, 512, 1024), "dim must be 128, 256, 512 or 1024")
+        out.copy_(_rotate(input).to(out.dtype))
+
     if cache_preshuffle:
         def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, preshuffle=False):
             _store(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, preshuffle)
@@ -215,6 +362,8 @@ def install(monkeypatch, machine: Machine):
         def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
             _gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
 
+    indexer_k_quant_and_cache = _compiled(indexer_k_quant_and_cache)
+    cp_gather_indexer_k_quant_cache = _compiled(cp_gather_indexer_k_quant_cache)
     paged_fn = deepgemm_fp8_paged_mqa_logits if v >= (0, 1, 8) else deepgemm_fp8_paged_mqa_logits_old
     paged_fn.__name__ = "deepgemm_fp8_paged_mqa_logits"
     ragged_fn = fp8_mqa_logits if v >= (0, 1, 15) else fp8_mqa_logits_old
@@ -228,6 +377,9 @@ def install(monkeypatch, machine: Machine):
         "aiter.ops.triton": {},
         f"{triton_pkg}.pa_mqa_logits": {"deepgemm_fp8_paged_mqa_logits": paged_fn},
         f"{triton_pkg}.fp8_mqa_logits": {"fp8_mqa_logits": ragged_fn},
+        "aiter.ops.topk": {"top_k_per_row_decode": top_k_per_row_decode,
+                           "top_k_per_row_prefill": top_k_per_row_prefill},
+        "aiter.ops.quant": {"rotate_activation": _compiled(rotate_activation)} if v >= (0, 1, 14) else {},
     }
     if new_paths:
         modules["aiter.ops.triton.attention"] = {}

@@ -22,16 +22,19 @@ from nsa_inductor.lowering.mqa_logits.reference import mqa_logits as ragged_ref
 from nsa_inductor.lowering.paged_mqa_logits import aiter as paged_mqa_logits_aiter
 from nsa_inductor.lowering.paged_mqa_logits.reference import paged_mqa_logits as paged_ref
 from nsa_inductor.lowering.quant_cache_store.reference import quant_cache_store as store_ref
+from nsa_inductor.lowering.topk_indices import aiter as topk_aiter
+from nsa_inductor.indexer import hadamard_matrix
 from helpers.fake_aiter import AiterFault, Machine, install
-from helpers.ops64 import FN, FNUZ, random_fp8, random_paged_cache
+from helpers.ops64 import FN, FNUZ, adversarial_topk_logits, assert_topk_valid, random_fp8, random_paged_cache
 
 # One machine per aiter release family (what changed between them, read in aiter's tags).
 FAMILIES = {
     "0.1.7": Machine((0, 1, 7)),     # cache ops without preshuffle; paged logits without Preshuffle/KVBlockSize
     "0.1.9": Machine((0, 1, 9)),     # Preshuffle/KVBlockSize; modules still at aiter.ops.triton.<name>
     "0.1.12": Machine((0, 1, 12)),   # modules in aiter.ops.triton.attention; cache ops still without preshuffle
-    "0.1.14": Machine((0, 1, 14)),   # cache ops with preshuffle; fp8_mqa_logits without clean_logits
-    "0.1.20": Machine((0, 1, 20)),   # clean_logits, 256-aligned ragged output
+    "0.1.14": Machine((0, 1, 14)),   # cache ops with preshuffle; fp8_mqa_logits without clean_logits; top-k k=
+    "0.1.17": Machine((0, 1, 17)),   # clean_logits (0.1.15); top-k decode always one block per row, plain Python
+    "0.1.20": Machine((0, 1, 20)),   # top-k stable=, int32 words read from any seqLens
 }
 
 
@@ -51,7 +54,7 @@ def _capability(machine: Machine, inspect_signatures: bool = False, **overrides)
 
 def _clear_aiter_caches():
     for cached in (_aiter_common.cache_ops, paged_mqa_logits_aiter._paged_logits_fn,
-                   mqa_logits_aiter._ragged_logits_fn):
+                   mqa_logits_aiter._ragged_logits_fn, topk_aiter._topk_ops):
         cached.cache_clear()
 
 
@@ -123,9 +126,28 @@ def _run_all_ops(fp8):
         got = torch.ops.nsa.mqa_logits(q, kv, k_scale, weights, ks, ke)
         assert got.is_contiguous()
         torch.testing.assert_close(got, ragged_ref(q, kv, k_scale, weights, ks, ke), rtol=1e-4, atol=1e-4)
+    _run_topk_calls()
 
 
-# Which calls each family serves with aiter (op, page_size, preshuffle) on gfx942 with Triton 3.5.
+# (pad, sorted) of the top-k calls _run_topk_calls makes, in order
+TOPK_CALLS = [("neg1", False), ("column", False), ("neg1", True)]
+
+
+def _run_topk_calls():
+    """Rows shorter and longer than k, a length past N, -inf inside a row, an offset (prefill: the columns before a
+    row's offset are -inf); every result a valid top-k."""
+    logits = adversarial_topk_logits(5, 40, "tail", 4)
+    lengths = torch.tensor([3, 40, 25, 0, 70], dtype=torch.int32)
+    offset = torch.tensor([0, 2, 5, 1, 7])
+    logits[1, 3:9] = float("-inf")
+    logits.masked_fill_(torch.arange(40)[None, :] < offset[:, None], float("-inf"))
+    for pad, sorted_ in TOPK_CALLS:
+        got = torch.ops.nsa.topk_indices(logits, 12, lengths, offset, pad, sorted_)
+        assert_topk_valid(logits, got, 12, lengths, offset, pad, sorted_)
+
+
+# Which calls each family serves with aiter (op, page_size, preshuffle) on gfx942 with Triton 3.5; top-k: which
+# (pad, sorted) calls.
 SERVED = {
     "0.1.7": {"quant_cache_store": {(1, False), (16, False), (64, False)}, "paged_mqa_logits": set(),
               "mqa_logits": "pow2"},
@@ -135,8 +157,10 @@ SERVED = {
                "mqa_logits": "pow2"},
     "0.1.14": {"quant_cache_store": set(LAYOUTS), "paged_mqa_logits": {(1, False), (64, True), (16, True), (256, True)},
                "mqa_logits": "pow2"},
+    "0.1.17": {"quant_cache_store": set(LAYOUTS), "paged_mqa_logits": {(1, False), (64, True), (16, True), (256, True)},
+               "mqa_logits": "pow2", "topk_indices": {("neg1", False), ("column", False)}},
     "0.1.20": {"quant_cache_store": set(LAYOUTS), "paged_mqa_logits": {(1, False), (64, True), (16, True), (256, True)},
-               "mqa_logits": "pow2"},
+               "mqa_logits": "pow2", "topk_indices": {("neg1", False), ("column", False)}},
 }
 
 
@@ -159,6 +183,9 @@ def test_aiter_release_family(monkeypatch, family):
     ragged = [backend for op, backend in routes if op == "mqa_logits"]
     assert ragged == ["aiter", "triton"]
     assert {name for name, _ in calls} >= {"indexer_k_quant_and_cache", "fp8_mqa_logits"}
+    topk = [backend for op, backend in routes if op == "topk_indices"]
+    assert {call for call, backend in zip(TOPK_CALLS, topk) if backend == "aiter"} == served.get("topk_indices", set())
+    assert ("top_k_per_row_decode" in {name for name, _ in calls}) == bool(served.get("topk_indices"))
 
 
 @pytest.mark.parametrize("family", ["0.1.9", "0.1.14", "0.1.20"])
@@ -259,3 +286,85 @@ def test_backend_choice(monkeypatch, platform, aiter, op, fp8, want):
     monkeypatch.setattr(_common, "capability", lambda: cap)
     assert _common.choose_backend(op, torch.device("cuda"), fp8) == want
     assert _common.choose_backend(op, torch.device("cpu"), fp8) == "torch"
+
+
+def _topk_inputs(rows, cols, seed):
+    """Logits with -inf tails and -inf before each row's offset (as the ragged logits write them); lengths past N."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = adversarial_topk_logits(rows, cols, "tail", seed)
+    offset = torch.randint(0, 4, (rows,), generator=gen)
+    logits.masked_fill_(torch.arange(cols)[None, :] < offset[:, None], float("-inf"))
+    lengths = torch.randint(0, cols + 20, (rows,), generator=gen)
+    return logits, lengths, offset
+
+
+@pytest.mark.parametrize("family", ["0.1.17", "0.1.20"])
+def test_topk_wiring_adapts_aiter_to_the_op_contract(monkeypatch, family):
+    """aiter returns absolute columns, -1 only past a row's length, and reads row r at ``r * stride0`` ignoring
+    ``stride1``: the module subtracts the offset, maps -inf entries to -1 (or pads with columns), clamps lengths to N
+    (int64 ones too) and passes only row-contiguous logits, reading row-padded ones in place."""
+    calls = install(monkeypatch, FAMILIES[family])
+    logits, lengths, offset = _topk_inputs(6, 48, 5)
+    transposed = logits.t().contiguous().t()  # same values, stride (1, 6): aiter would read the wrong elements
+    padded = torch.full((6, 64), 7.0)[:, :48]  # rows 64 apart; columns past 48 are 7.0, above every logit
+    padded.copy_(logits)
+    nan_rows = logits.clone()
+    nan_rows[:, 10::9] = float("nan")  # a NaN with a clear sign bit ranks highest, as in torch.topk
+    for values in (logits, transposed, padded, nan_rows):
+        for pad in ("neg1", "column"):
+            for k in (1, 20, 48):
+                got = topk_aiter.topk_indices(values, k, lengths, offset, pad)
+                assert_topk_valid(values, got, k, lengths, offset, pad)
+                assert calls[-1][1]["stride0"] == (64 if values is padded else 48)
+                assert calls[-1][1]["seqLens"].dtype == torch.int32
+    got = topk_aiter.topk_indices(logits, 20, None, None, "neg1")  # no lengths: whole rows
+    assert_topk_valid(logits, got, 20)
+
+
+@pytest.mark.parametrize("family", ["0.1.17", "0.1.20"])
+def test_topk_wiring_size_one(monkeypatch, family):
+    """One row, one column (Dynamo specialises them): k = 1 with length 1, 0 and past the row."""
+    install(monkeypatch, FAMILIES[family])
+    for value in (2.5, float("-inf")):
+        logits = torch.full((1, 1), value)
+        for length in (1, 0, 3):
+            lengths = torch.tensor([length], dtype=torch.int32)
+            for pad in ("neg1", "column"):
+                got = topk_aiter.topk_indices(logits, 1, lengths, torch.zeros(1, dtype=torch.int32), pad)
+                assert_topk_valid(logits, got, 1, lengths, None, pad)
+    assert topk_aiter.topk_indices(torch.zeros(0, 5), 3, None, None).shape == (0, 3)
+
+
+def test_the_stand_in_makes_aiters_topk_checks(monkeypatch):
+    """What a naive wiring would meet: before 0.1.14 k is fixed at 2048 (no keyword; 2048 entries written per row),
+    int64 lengths are refused before 0.1.20 and read as int32 words from it, a length past N reads past the tensor."""
+    install(monkeypatch, FAMILIES["0.1.12"])
+    topk = __import__("aiter.ops.topk", fromlist=["top_k_per_row_decode"])
+    logits, out = torch.randn(2, 4000), torch.empty(2, 12, dtype=torch.int32)
+    with pytest.raises(TypeError):
+        topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 4000], dtype=torch.int32), out, 2, 4000, 1, k=12)
+    with pytest.raises(AiterFault, match="writes past indices"):
+        topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 4000], dtype=torch.int32), out, 2, 4000, 1)
+    with pytest.raises(AiterFault, match="expected scalar type Int"):
+        topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 4000]), out, 2, 4000, 1)
+    install(monkeypatch, FAMILIES["0.1.20"])
+    topk = __import__("aiter.ops.topk", fromlist=["top_k_per_row_decode"])
+    with pytest.raises(AiterFault, match="read past the logits"):
+        topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 4100], dtype=torch.int32), out, 2, 4000, 1, k=12)
+    topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 20]), out, 2, 4000, 1, k=12)  # int64: words 4000, 0
+    assert (out[1] == -1).all()
+
+
+def test_rotate_activation_numerics_against_eager(monkeypatch):
+    """aiter's rotate_activation (as read: fp32 butterflies, times 1/sqrt(128) in fp32, one rounding to bf16) against
+    the eager rotation ``(x.float() @ H * 128**-0.5).to(bf16)``: the two fp32 sums differ only in their order, so
+    the bf16 results differ by at most one ulp, and rarely (docs/rocm.md)."""
+    install(monkeypatch, FAMILIES["0.1.20"])
+    quant = __import__("aiter.ops.quant", fromlist=["rotate_activation"])
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(4096, 128, generator=gen) * torch.logspace(-3, 3, 4096)[:, None]).bfloat16()
+    out = torch.empty_like(x)
+    quant.rotate_activation(out, x)
+    eager = (x.float() @ hadamard_matrix(128) * 128**-0.5).to(torch.bfloat16)
+    ulps = (out.view(torch.int16).int() - eager.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-4

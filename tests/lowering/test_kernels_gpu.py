@@ -183,6 +183,29 @@ def test_topk_indices_meets_the_contract(rows, cols, k, kind, pad, sorted_):
     assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad, sorted_)
 
 
+def _aiter_topk_refusal() -> str | None:
+    from nsa_inductor.capability import aiter_refusal, capability
+
+    return aiter_refusal(capability(), "topk_indices", sorted=False)
+
+
+@pytest.mark.skipif(not torch.version.hip, reason="aiter runs on ROCm only")
+@pytest.mark.parametrize("rows, cols, k", [(64, 8192, 2048), (8, 20000, 512), (3, 3000, 2500), (1, 1, 1)])
+@pytest.mark.parametrize("kind", ["ties", "close", "tail", "randn"])  # (a NaN with the sign bit set: docs/rocm.md)
+@pytest.mark.parametrize("pad", ["neg1", "column"])
+def test_aiter_topk_indices_meets_the_contract(rows, cols, k, kind, pad):
+    """aiter's top_k_per_row_decode behind the op's adaptation (never run yet: the first AMD run tests our reading)."""
+    if _aiter_topk_refusal() is not None:
+        pytest.skip(f"aiter's top-k is not used here: {_aiter_topk_refusal()}")
+    logits = adversarial_topk_logits(rows, cols, kind, seed=cols)
+    lengths = torch.randint(0, cols + 9, (rows,), generator=torch.Generator().manual_seed(k)).int()
+    offset = torch.arange(rows)
+    logits.masked_fill_(torch.arange(cols)[None, :] < offset[:, None], float("-inf"))
+    got = importlib.import_module("nsa_inductor.lowering.topk_indices.aiter").topk_indices(
+        logits.to(DEV), k, lengths.to(DEV), offset.to(DEV), pad)
+    assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad)
+
+
 def test_topk_indices_replays_in_cuda_graph_with_new_lengths():
     logits = topk_logits(8, 8192, 0.0, seed=3).to(DEV)
     lengths = torch.full((8,), 8192, dtype=torch.int32, device=DEV)

@@ -2,15 +2,16 @@
 
 ``sorted=False`` (set order) lets the kernel select without sorting; ``sorted=True`` keeps torch.topk's descending
 value order. ``pad`` says what fills a row with fewer than k finite values: ``"neg1"`` (-1, the masked idiom) or
-``"column"`` (distinct columns of -inf entries, as plain ``torch.topk`` returns). aiter's top-k kernels are not
-wired: the op runs its Triton kernel on GPUs, the reference elsewhere.
+``"column"`` (distinct columns of -inf entries, as plain ``torch.topk`` returns). On ROCm, aiter's
+``top_k_per_row_decode`` serves set-order calls where ``capability.aiter_refusal`` allows; other GPU calls run the
+Triton kernel, CPU calls the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._common import INT_TYPES, check, check_devices, contiguous, triton_or_reference
+from .._common import INT_TYPES, check, check_devices, contiguous, implementation
 
 
 PADS = ("neg1", "column")
@@ -39,7 +40,7 @@ def topk_indices(
     as -inf), as column minus ``offset[r]``. Entries for -inf values are -1 (``pad="neg1"``) or distinct columns of
     -inf entries (``pad="column"``). ``sorted``: descending value order (ties in any order); else any order."""
     _validate(logits, k, lengths, offset, pad)
-    run = triton_or_reference("topk_indices", logits.device)
+    run = implementation("topk_indices", logits.device, None, sorted=sorted)
     return run(logits.contiguous(), k, *contiguous(lengths, offset), pad, sorted)
 
 
