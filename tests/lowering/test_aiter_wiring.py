@@ -302,20 +302,21 @@ def _topk_inputs(rows, cols, seed):
 def test_topk_wiring_adapts_aiter_to_the_op_contract(monkeypatch, family):
     """aiter returns absolute columns, -1 only past a row's length, and reads row r at ``r * stride0`` ignoring
     ``stride1``: the module subtracts the offset, maps -inf entries to -1 (or pads with columns), clamps lengths to N
-    (int64 ones too) and passes only row-contiguous logits, reading row-padded ones in place."""
+    (int64 ones too) and passes row-contiguous logits with NaN canonicalised."""
     calls = install(monkeypatch, FAMILIES[family])
     logits, lengths, offset = _topk_inputs(6, 48, 5)
     transposed = logits.t().contiguous().t()  # same values, stride (1, 6): aiter would read the wrong elements
     padded = torch.full((6, 64), 7.0)[:, :48]  # rows 64 apart; columns past 48 are 7.0, above every logit
     padded.copy_(logits)
     nan_rows = logits.clone()
-    nan_rows[:, 10::9] = float("nan")  # a NaN with a clear sign bit ranks highest, as in torch.topk
+    nan_rows[:, 10::9] = float("nan")  # NaN of either sign ranks highest, as in torch.topk
+    nan_rows[:, 14::9] = -float("nan")
     for values in (logits, transposed, padded, nan_rows):
         for pad in ("neg1", "column"):
             for k in (1, 20, 48):
                 got = topk_aiter.topk_indices(values, k, lengths, offset, pad)
                 assert_topk_valid(values, got, k, lengths, offset, pad)
-                assert calls[-1][1]["stride0"] == (64 if values is padded else 48)
+                assert calls[-1][1]["stride0"] == 48  # the row-contiguous copy
                 assert calls[-1][1]["seqLens"].dtype == torch.int32
     got = topk_aiter.topk_indices(logits, 20, None, None, "neg1")  # no lengths: whole rows
     assert_topk_valid(logits, got, 20)

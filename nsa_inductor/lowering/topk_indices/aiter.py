@@ -19,8 +19,9 @@ Adapting that to the op, with ``next_n = 1`` so that ``seqLens`` is the op's per
 ``sorted=True`` never comes here (aiter's order is not by value). ``top_k_per_row_prefill`` is not used: the op has
 no row starts, its multi-block path is chosen from the allocated width ``stride0`` rather than the lengths (the
 reason aiter took decode off that path), and its positional signature changed in 0.1.8 (``values`` was inserted).
-Ranking differs from torch.topk in one case: a NaN with the sign bit set ranks below -inf (aiter's key is the float's
-bits, flipped for a clear sign bit); torch ranks every NaN highest.
+- NaN: aiter's key is the float's bits, flipped for a clear sign bit, so a NaN with the sign bit set would rank below
+  -inf; torch ranks every NaN highest. Rows are given to aiter with every NaN's sign bit cleared (one elementwise
+  pass over the logits).
 """
 
 from __future__ import annotations
@@ -36,14 +37,6 @@ def _topk_ops():
     return importlib.import_module("aiter.ops.topk")
 
 
-def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` itself when aiter can read it (contiguous columns, rows ``stride0`` apart), else a copy."""
-    cols = logits.shape[1]
-    if (cols > 1 and logits.stride(1) != 1) or logits.stride(0) < cols:
-        return logits.contiguous()
-    return logits
-
-
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False):
     """The op's result (see ``nsa.topk_indices``) from aiter's decode top-k, adapted as the module docstring says."""
     if sorted:
@@ -52,7 +45,8 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False):
     out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
     if rows == 0 or k == 0:
         return out
-    logits = _rows_contiguous(logits)
+    # a NaN of either sign ranks highest, as in torch; the result is also the row-contiguous copy aiter reads
+    logits = torch.where(logits.isnan(), float("nan"), logits).contiguous()
     if lengths is None:
         row_lengths = torch.full((rows,), cols, dtype=torch.int32, device=logits.device)
     else:
