@@ -97,6 +97,25 @@ def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.const
     return round_to_fp8_grid(y, x, MIN_EXP, SIGNED_ZERO), scale
 
 
+@triton.jit
+def scale_rows(y, SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, ON_GPU: tl.constexpr):
+    """``y * SCALE``, or ``y / SCALE`` with ``DIVIDE`` as torch divides by a Python float on the same device: on a
+    GPU ``y * INV_SCALE`` (fp32 ``1/SCALE``), on the host (interpreter) an IEEE division."""
+    if DIVIDE:
+        if ON_GPU:
+            y = y * INV_SCALE
+        else:
+            y = tl.math.div_rn(y, SCALE)
+    elif SCALE != 1.0:
+        y = y * SCALE
+    return y
+
+
+def scale_constants(scale: float, divide: bool) -> dict:
+    """The constexpr arguments of :func:`scale_rows`."""
+    return {"SCALE": float(scale), "INV_SCALE": float(np.float32(1.0) / np.float32(scale)), "DIVIDE": bool(divide)}
+
+
 def quantize_constants(fp8_dtype: torch.dtype, fmax: float, scale_fmt: str) -> dict:
     """The constexpr arguments of :func:`quantize_rows` for one fp8 type, clamp bound and scale format."""
     return {"FMAX": fmax, "INV_FMAX": float(np.float32(1.0) / np.float32(fmax)), "UE8M0": scale_fmt == "ue8m0",

@@ -10,7 +10,7 @@ Matches the ``index_put`` chain on views of the cache ending in the epilogue ``c
 probing proves the bytes written are the layout's offsets of each slot, the values are that act_quant's, and
 padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices.
 Rewrites to ``auto_functionalized(nsa.quant_cache_store, ...)`` (reinplaced: no copy of the cache); a quantized
-``(y_fp32 * c).to(bf16)`` used only here is folded in (``input_scale=c, input_dtype=bf16``).
+``(y_fp32 * c).to(bf16)`` (or ``/ c``) used only here is folded in (``input_scale=c, input_dtype=bf16``).
 Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache.
 """
 
@@ -293,15 +293,16 @@ class QuantCacheStore(GraphPass):
 
 
 def _take_input_epilogue(stored: torch.fx.Node) -> None:
-    """``k = convert(mul(y_fp32, c), bf16/fp16)`` read only by the store: the op computes it from ``y``."""
+    """``k = convert(y_fp32 * c, bf16/fp16)`` (or ``y / c``) read only by the store: the op computes it from ``y``."""
     k = stored.kwargs["k"]
     if not is_op(k, prims.convert_element_type.default) or k.args[1] not in (torch.bfloat16, torch.float16):
         return
     product = k.args[0]
-    if len(k.users) != 1 or not is_op(product, aten.mul.Tensor) or len(product.users) != 1:
+    if len(k.users) != 1 or not is_op(product, aten.mul.Tensor, aten.div.Tensor) or len(product.users) != 1:
         return
     y, factor = product.args
-    if not isinstance(factor, (int, float)) or val(y).dtype != torch.float32:
+    if not isinstance(factor, (int, float)) or val(y).dtype != torch.float32 or factor == 0:
         return
-    stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1]}
+    stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1],
+                     "input_divide": is_op(product, aten.div.Tensor)}
 

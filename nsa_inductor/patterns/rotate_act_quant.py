@@ -2,19 +2,19 @@
 
 Eager idiom (``Indexer.rotate_activation``, DeepSeek's and SGLang's reference), in any of these spellings::
 
-    y = (x.float() @ H * 128**-0.5).to(torch.bfloat16)    # fp32 GEMM with casts; F.linear(x.float(), H.T) too
+    y = (x.float() @ H * 128**-0.5).to(torch.bfloat16)    # fp32 GEMM with casts; F.linear(x.float(), H.T) / c too
     y = F.linear(x, H_bf16)    or    y = x @ H_bf16        # bf16 GEMM, one rounding of the fp32 sum
     q_fp8, q_scale = act_quant(y)                         # q side: any leading shape, any group size
     act_quant(y) -> K-cache store                         # k side: already nsa.quant_cache_store
 
 Matches act_quant (``fx_utils.match_act_quant``) of a bf16 tensor that is the product of a bf16 ``x`` and a matrix
 ``H`` of static shape [128, 128] that is a graph input (parameter, buffer) or a constant, possibly transposed or
-cast to fp32, optionally times a constant and rounded to bf16. Its values need no proof: the kernel multiplies by
+cast to fp32, optionally times or divided by a constant, and rounded to bf16. Its values need no proof: the kernel multiplies by
 whatever matrix it gets. Every node between ``x`` and the quantized outputs must be read only by the next one.
 Rewrites to ``nsa.rotate_act_quant(x, H, c, ...)`` (q side; its scale output feeds the head-gate chain unchanged),
 or gives the ``nsa.quant_cache_store`` that ``quant_cache_store`` made (with its ``(y * c).to(bf16)`` epilogue
-already folded in) ``k = x, rotation = H`` (k side). Never: a division by the constant, an unrounded fp32 result,
-a bf16 product scaled afterwards (two roundings), a matrix of another shape or computed in the graph.
+already folded in) ``k = x, rotation = H`` (k side). Never: an unrounded fp32 result, a bf16 product scaled
+afterwards (two roundings), a matrix of another shape or computed in the graph.
 Numerics: the products are summed in another order than cuBLAS's (docs/numerics.md); ``nsa.disable_passes`` with
 this pass's name keeps eager's bytes.
 """
@@ -36,11 +36,13 @@ ROTATION_SIZE = 128
 
 @dataclass
 class Rotation:
-    """``((x.float() @ matrix) * scale)`` rounded to bf16: the nodes from ``x`` to the rounded result."""
+    """``((x.float() @ matrix) * scale)`` (``/ scale`` with ``divide``) rounded to bf16: the nodes from ``x`` to the
+    rounded result."""
 
     x: torch.fx.Node  # bf16 [..., 128]
     matrix: torch.fx.Node  # [128, 128] fp32 or bf16, any strides
     scale: float
+    divide: bool
     chain: list[torch.fx.Node]  # every node after x and matrix up to the result, each read only by the next
 
 
@@ -97,16 +99,17 @@ def match_rotation(rotated: torch.fx.Node) -> Rotation:
         raise NearMiss(f"the quantized tensor is {val(rotated).dtype}, not the bf16 result of a rotation")
     if not is_op(rotated, prims.convert_element_type.default):
         x, matrix, chain = _product(rotated)
-        return Rotation(x, matrix, 1.0, chain)
+        return Rotation(x, matrix, 1.0, False, chain)
     inner, scale, scaled = rotated.args[0], 1.0, []
-    if is_op(inner, aten.mul.Tensor) and isinstance(inner.args[1], (int, float)):
+    divide = is_op(inner, aten.div.Tensor)
+    if is_op(inner, aten.mul.Tensor, aten.div.Tensor) and isinstance(inner.args[1], (int, float)) and inner.args[1]:
         inner, scale, scaled = inner.args[0], float(inner.args[1]), [inner]
-    elif is_op(inner, aten.div.Tensor) and isinstance(inner.args[1], (int, float)):
-        raise NearMiss("the rotation is divided by a constant; the kernel multiplies (write * (1 / c))")
+    else:
+        divide = False
     if val(inner).dtype != torch.float32:
         raise NearMiss(f"the rotated tensor is rounded to bf16 from {val(inner).dtype}, not from an fp32 product")
     x, matrix, chain = _product(inner)
-    return Rotation(x, matrix, scale, [*chain, *scaled, rotated])
+    return Rotation(x, matrix, scale, divide, [*chain, *scaled, rotated])
 
 
 def _rotation_of_store(stored: torch.fx.Node) -> Rotation:
@@ -115,7 +118,7 @@ def _rotation_of_store(stored: torch.fx.Node) -> Rotation:
     k, scale, dtype = stored.kwargs["k"], stored.kwargs.get("input_scale", 1.0), stored.kwargs.get("input_dtype")
     if dtype == torch.bfloat16 and val(k).dtype == torch.float32:
         x, matrix, chain = _product(k)
-        return Rotation(x, matrix, scale, chain)
+        return Rotation(x, matrix, scale, stored.kwargs.get("input_divide", False), chain)
     if dtype is None and scale == 1.0:
         return match_rotation(k)
     raise NearMiss(f"the stored k is {val(k).dtype} with input_dtype {dtype}: not the result of a rotation")
@@ -138,8 +141,8 @@ class RotateActQuant(GraphPass):
         if anchor.target is torch.ops.higher_order.auto_functionalized:
             rotation = _rotation_of_store(anchor)
             _single_use(rotation.chain, "the rotation")
-            anchor.kwargs = {**anchor.kwargs, "k": rotation.x, "rotation": rotation.matrix,
-                             "input_scale": rotation.scale, "input_dtype": torch.bfloat16}
+            anchor.kwargs = {**anchor.kwargs, "k": rotation.x, "rotation": rotation.matrix, "input_scale": rotation.scale,
+                             "input_divide": rotation.divide, "input_dtype": torch.bfloat16}
             return anchor
         quant = match_act_quant(anchor)
         rotation = match_rotation(quant.x)
@@ -148,8 +151,8 @@ class RotateActQuant(GraphPass):
         _single_use(rotation.chain + _quant_private(quant), "the rotation")
         with graph.inserting_before(quant.scale):  # before every reader of either output
             fused = insert_call(graph, torch.ops.nsa.rotate_act_quant.default,
-                                (rotation.x, rotation.matrix, rotation.scale, quant.block, quant.scale_fmt,
-                                 quant.fp8_dtype, quant.fp8_max))
+                                (rotation.x, rotation.matrix, rotation.scale, rotation.divide, quant.block,
+                                 quant.scale_fmt, quant.fp8_dtype, quant.fp8_max))
             values = insert_call(graph, operator.getitem, (fused, 0))
             scales = insert_call(graph, operator.getitem, (fused, 1))
             replace(graph, quant.values, values)  # first: the scale, the insertion point, outlives it

@@ -44,22 +44,24 @@ def quant_cache_store(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     input_scale: float = 1.0,
     input_dtype: torch.dtype | None = None,
+    input_divide: bool = False,
     rotation: torch.Tensor | None = None,
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
-    ``k' = (k @ rotation) * input_scale`` in fp32 (``k`` itself without a rotation), rounded to ``input_dtype`` when
-    given: the Hadamard rotation ``(k.float() @ H * 128**-0.5).to(bf16)``, which then needs no kernel of its own.
+    ``k' = (k @ rotation) * input_scale`` in fp32 (``/ input_scale`` with ``input_divide``; ``k`` itself without a
+    rotation), rounded to ``input_dtype`` when given: the Hadamard rotation ``(k.float() @ H * 128**-0.5).to(bf16)``, which then needs no kernel of its own.
     The rotation ([128, 128] fp32 or bf16, any strides) is summed in another order than a cuBLAS GEMM: see
     docs/numerics.md for the bytes that may differ."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
     k, slot_mapping = contiguous(k, slot_mapping)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
                          rotation=rotation is not None)
-    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, rotation)
+    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
+        rotation)
 
 
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
-      input_dtype=None, rotation=None):
+      input_dtype=None, input_divide=False, rotation=None):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)

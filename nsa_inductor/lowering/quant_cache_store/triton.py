@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ...quant import fp8_max
 from .._triton_common import (interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
-                              scale_offsets, value_offsets)
+                              scale_constants, scale_offsets, scale_rows, value_offsets)
 
 
 @triton.jit
@@ -28,7 +28,9 @@ def _quant_store_kernel(
     stride_rn,
     ROTATE: tl.constexpr,
     SPLIT_ROTATION: tl.constexpr,
-    INPUT_SCALE: tl.constexpr,
+    SCALE: tl.constexpr,
+    INV_SCALE: tl.constexpr,
+    DIVIDE: tl.constexpr,
     ROUND_TO: tl.constexpr,
     FMAX: tl.constexpr,
     INV_FMAX: tl.constexpr,
@@ -40,7 +42,7 @@ def _quant_store_kernel(
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """act_quant of BLOCK_T rows of ``k * INPUT_SCALE`` (``k @ R`` first with ``ROTATE``: ``rotate_rows``) (rounded to ``ROUND_TO``: "bf16", "fp16" or ""), then the
+    """act_quant of BLOCK_T rows of ``k * SCALE`` (or ``/``: ``scale_rows``; ``k @ R`` first with ``ROTATE``) (rounded to ``ROUND_TO``: "bf16", "fp16" or ""), then the
     fp8 values and fp32 scale of each row go to its slot (bit-identical to the torch reference: ``quantize_rows``)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
@@ -51,8 +53,7 @@ def _quant_store_kernel(
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
     else:
         x = x.to(tl.float32)
-    if INPUT_SCALE != 1.0:
-        x = x * INPUT_SCALE
+    x = scale_rows(x, SCALE, INV_SCALE, DIVIDE, ON_GPU)
     if ROUND_TO == "bf16":
         x = round_to_bf16(x)
     elif ROUND_TO == "fp16":
@@ -71,7 +72,7 @@ _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
-                      input_dtype=None, rotation=None, block_t: int | None = None):
+                      input_dtype=None, input_divide=False, rotation=None, block_t: int | None = None):
     """One launch: quantize ``k [T,128]`` (after the rotation prologue and the input epilogue) and store it into
     ``cache`` at ``slot_mapping`` (negative = padding). A rotation is a ``tl.dot``, which needs 16 rows a program."""
     num_tokens = k.shape[0]
@@ -91,7 +92,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         *(rot.stride() if rotation is not None else (0, 0)),
         ROTATE=rotation is not None,
         SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
-        INPUT_SCALE=float(input_scale),
+        **scale_constants(input_scale, input_divide),
         ROUND_TO=_ROUND_TO[input_dtype],
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,

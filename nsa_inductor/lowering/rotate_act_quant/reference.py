@@ -9,7 +9,9 @@ import torch
 from ...quant import act_quant
 
 
-def rotate_act_quant(x, rotation, scale, quant_block, scale_fmt, fp8_dtype, fp8_max):
-    """``act_quant(((x.float() @ rotation) * scale).to(bf16))`` in groups of ``quant_block``."""
-    rotated = ((x.float() @ rotation.float()) * scale).to(torch.bfloat16)
+def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max):
+    """``act_quant(((x.float() @ rotation) * scale).to(bf16))`` (``/ scale`` with ``divide``) in groups of
+    ``quant_block``."""
+    product = x.float() @ rotation.float()
+    rotated = (product / scale if divide else product * scale).to(torch.bfloat16)
     return act_quant(rotated, quant_block, scale_fmt, fp8_dtype, fp8_max)
