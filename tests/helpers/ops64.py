@@ -169,7 +169,30 @@ def small_inputs() -> dict[str, tuple]:
                          torch.tensor([0, 1, 2, 3])),
         "head_gate_gemm": (torch.randn(5, 130, generator=gen).bfloat16(), torch.randn(12, 130, generator=gen), 3,
                            False),
+        "rotate_act_quant": (torch.randn(2, 3, 128, generator=gen).bfloat16(), torch.randn(128, 128, generator=gen),
+                             128**-0.5, False, 64, "ue8m0", FN, 448.0),
     }
+
+
+def integer_rows(rows: int, gen) -> torch.Tensor:
+    """bf16 rows of small integers times a power of two per row: every sum of 128 of them with +-1 signs is exact
+    in fp32, so a Hadamard rotation gives eager's bits in any summation order."""
+    ints = torch.randint(-16, 17, (rows, 128), generator=gen).float()
+    return (ints * torch.exp2(torch.randint(-12, 6, (rows, 1), generator=gen).float())).bfloat16()
+
+
+def assert_fp8_close(got: tuple, want: tuple, values_frac: float, scales_frac: float) -> None:
+    """``(fp8 values, scales)`` pairs: at most ``values_frac`` of the values differ, each by one fp8 step, at most
+    ``scales_frac`` of the scales differ (the contract of a reordered rotation, docs/numerics.md)."""
+    from nsa_inductor.quant import fp8_ulps
+
+    (values, scales), (want_values, want_scales) = got, want
+    assert values.shape == want_values.shape and scales.shape == want_scales.shape
+    ulps = fp8_ulps(values.cpu(), want_values.cpu())
+    assert int(ulps.max()) <= 1, f"an fp8 value is {int(ulps.max())} steps off"
+    assert (ulps > 0).double().mean() <= values_frac, f"{int((ulps > 0).sum())} of {ulps.numel()} fp8 values differ"
+    differ = (scales.cpu() != want_scales.cpu()).double().mean()
+    assert differ <= scales_frac, f"{differ:.2e} of the scales differ"
 
 
 # ---------------------------------------------------------------------------------------------------------------
