@@ -182,17 +182,20 @@ def integer_rows(rows: int, gen) -> torch.Tensor:
 
 
 def assert_fp8_close(got: tuple, want: tuple, values_frac: float, scales_frac: float) -> None:
-    """``(fp8 values, scales)`` pairs: at most ``values_frac`` of the values differ, each by one fp8 step, at most
-    ``scales_frac`` of the scales differ (the contract of a reordered rotation, docs/numerics.md)."""
+    """``(fp8 values [..., G * block], scales [..., G] or [...])`` pairs within the contract of a reordered rotation
+    (docs/numerics.md): at most ``scales_frac`` of the groups change scale (the rounded amax crossed a power of two,
+    or moved, with fp32 scales); in the other groups at most ``values_frac`` of the values differ, by one fp8 step."""
     from nsa_inductor.quant import fp8_ulps
 
-    (values, scales), (want_values, want_scales) = got, want
+    (values, scales), (want_values, want_scales) = ((v.cpu(), s.cpu()) for v, s in (got, want))
     assert values.shape == want_values.shape and scales.shape == want_scales.shape
-    ulps = fp8_ulps(values.cpu(), want_values.cpu())
-    assert int(ulps.max()) <= 1, f"an fp8 value is {int(ulps.max())} steps off"
+    if scales.dim() < values.dim():
+        scales, want_scales = scales.unsqueeze(-1), want_scales.unsqueeze(-1)
+    same_scale = scales == want_scales
+    assert (~same_scale).double().mean() <= scales_frac, f"{int((~same_scale).sum())} of {scales.numel()} scales differ"
+    ulps = fp8_ulps(values, want_values)[same_scale.repeat_interleave(values.shape[-1] // scales.shape[-1], -1)]
+    assert ulps.numel() == 0 or int(ulps.max()) <= 1, f"an fp8 value is {int(ulps.max())} steps off"
     assert (ulps > 0).double().mean() <= values_frac, f"{int((ulps > 0).sum())} of {ulps.numel()} fp8 values differ"
-    differ = (scales.cpu() != want_scales.cpu()).double().mean()
-    assert differ <= scales_frac, f"{differ:.2e} of the scales differ"
 
 
 # ---------------------------------------------------------------------------------------------------------------
