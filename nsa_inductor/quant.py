@@ -8,6 +8,8 @@ QUANT_BLOCK = 128
 AMAX_FLOOR = 1e-4
 SCALE_FORMATS = ("ue8m0", "fp32")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# Group sizes the fused rotation's kernel quantizes rows of 128 in (nsa.rotate_act_quant).
+ROTATED_QUANT_BLOCKS = (16, 32, 64, 128)
 
 
 def fp8_max(dtype: torch.dtype) -> float:

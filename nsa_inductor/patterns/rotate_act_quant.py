@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..quant import ROTATED_QUANT_BLOCKS
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import (ActQuant, aten, cone, describe, insert_call, is_op, match_act_quant, prims, replace, val,
                        view_chain, walk_back)
@@ -63,7 +64,8 @@ def _static_matrix(node: torch.fx.Node) -> torch.fx.Node:
     (``F.linear``'s weight) or cast from bf16 to fp32 (exact: the kernel reads the bf16 matrix instead)."""
     if is_op(node, prims.convert_element_type.default) and val(node.args[0]).dtype == torch.bfloat16:
         node = node.args[0]
-    root, chain = walk_back(node, lambda n: n.args[0] if is_op(n, aten.permute.default, aten.t.default) else None)
+    root = walk_back(node, lambda n: n.args[0] if is_op(n, aten.permute.default, aten.t.default) or (
+        is_op(n, prims.convert_element_type.default) and val(n.args[0]).dtype == torch.bfloat16) else None)[0]
     mval = val(root)
     if root.op not in ("placeholder", "get_attr") or not isinstance(mval, torch.Tensor):
         raise NearMiss(f"the rotation matrix {describe(root)} is computed in the graph, not a parameter, buffer or "
@@ -72,7 +74,7 @@ def _static_matrix(node: torch.fx.Node) -> torch.fx.Node:
         raise NearMiss(f"the rotation matrix is {list(mval.shape)}, not a static [128, 128]")
     if mval.dtype not in (torch.float32, torch.bfloat16):
         raise NearMiss(f"the rotation matrix is {mval.dtype}, not float32 or bfloat16")
-    return chain[-1] if chain else root
+    return node
 
 
 def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]:
@@ -92,10 +94,7 @@ def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[to
         raise NearMiss(f"the product is {out_dtype}, not a bf16 x times a float32 or bfloat16 matrix")
     if int(val(mm.args[0]).shape[-1]) != ROTATION_SIZE or int(val(lhs).shape[-1]) != ROTATION_SIZE:
         raise NearMiss(f"the product's left operand is {list(val(mm.args[0]).shape)}, not rows of 128")
-    matrix = _static_matrix(mm.args[1])
-    if val(matrix).dtype == torch.bfloat16 and out_dtype == torch.float32:
-        raise NearMiss("the matrix is bf16 but the product is fp32")
-    return lhs, matrix, [*before, mm, *after]
+    return lhs, _static_matrix(mm.args[1]), [*before, mm, *after]
 
 
 def match_rotation(rotated: torch.fx.Node) -> Rotation:
@@ -151,8 +150,9 @@ class RotateActQuant(GraphPass):
             return anchor
         quant = match_act_quant(anchor)
         rotation = match_rotation(quant.x)
-        if 128 % quant.block:
-            raise NearMiss(f"quant block is {quant.block} wide, not a divisor of the 128 rotated values")
+        if quant.block not in ROTATED_QUANT_BLOCKS:
+            raise NearMiss(f"quant block is {quant.block} wide, the fused kernel quantizes groups of "
+                           f"{ROTATED_QUANT_BLOCKS}")
         _single_use(rotation.chain + _quant_private(quant), "the rotation")
         with graph.inserting_before(quant.scale):  # before every reader of either output
             fused = insert_call(graph, torch.ops.nsa.rotate_act_quant.default,

@@ -324,3 +324,31 @@ def test_quant_cache_store_rotation_prologue_against_reference():
     written[layout.value_offsets(keep).flatten()] = True
     written[layout.scale_offsets(keep).flatten()] = True
     assert torch.equal(cache.view(-1)[~written], want.view(-1)[~written])
+
+
+def test_rotation_ops_capture_in_cuda_graph():
+    """Both rotation paths replay in a CUDA graph with new inputs (no host sync, no data-dependent allocation)."""
+    gen = torch.Generator().manual_seed(6)
+    h = hadamard_matrix(128).to(DEV)
+    x = torch.randn(8, 64, 128, generator=gen).bfloat16().to(DEV)
+    k = torch.randn(8, 128, generator=gen).bfloat16().to(DEV)
+    cache = torch.zeros(4, 64 * 132, dtype=torch.uint8, device=DEV)
+    slots = torch.tensor([0, 3, -1, 64, 65, 200, 255, 7], device=DEV)
+
+    def step():
+        torch.ops.nsa.quant_cache_store(k, cache, slots, 64, False, "ue8m0", FN, 128**-0.5, torch.bfloat16, False, h)
+        return torch.ops.nsa.rotate_act_quant(x, h, 128**-0.5, False, 128, "ue8m0", FN, 448.0)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, scales = step()
+    x.copy_(torch.randn(8, 64, 128, generator=gen).bfloat16())
+    k.copy_(torch.randn(8, 128, generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = cache.clone()
+    want_values, want_scales = step()
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert torch.equal(replayed, cache)

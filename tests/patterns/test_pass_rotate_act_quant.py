@@ -36,6 +36,8 @@ SPELLINGS = {
     "fp32-linear-transposed": (lambda x, h: act_quant((F.linear(x.float(), h) * C).to(torch.bfloat16)), H32.t()),
     "fp32-gemm-no-scale-block-32": (lambda x, h: act_quant((x.float() @ h).to(torch.bfloat16), 32), H32),
     "fp32-gemm-other-constant": (lambda x, h: act_quant((x.float() @ h * 0.37).to(torch.bfloat16)), H32),
+    "fp32-gemm-of-bf16-matrix": (lambda x, h: act_quant((x.float() @ h.float().t() * C).to(torch.bfloat16)),
+                                 H32.bfloat16()),
     "bf16-linear": (lambda x, h: act_quant(F.linear(x, h)), H32.bfloat16()),
     "bf16-matmul": (lambda x, h: act_quant(x @ h), H32.bfloat16()),
     "fnuz-224-fp32-scale": (lambda x, h: act_quant((x.float() @ h * C).to(torch.bfloat16), 128, "fp32",
@@ -89,6 +91,10 @@ def _bf16_product_scaled(x, h):
     return act_quant(F.linear(x, h) * C)
 
 
+def _groups_of_8(x, h):
+    return act_quant((x.float() @ h * C).to(torch.bfloat16), 8)
+
+
 def _rotation_without_act_quant(x, h):
     return (x.float() @ h * C).to(torch.bfloat16)
 
@@ -100,6 +106,7 @@ NEAR_MISSES = {
     "matrix-256": (_not_128_rows, torch.eye(256), "not rows of 128"),
     "unrounded-fp32": (_unrounded_fp32, H32, "not the bf16 result of a rotation"),
     "bf16-product-scaled": (_bf16_product_scaled, H32.bfloat16(), "not a product with a matrix (mul"),
+    "groups-of-8": (_groups_of_8, H32, "quant block is 8 wide"),
 }
 
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 import torch
 
 from ...layout import HEAD_DIM
-from ...quant import check_scale_fmt, fp8_max as dtype_fp8_max
+from ...quant import ROTATED_QUANT_BLOCKS, check_scale_fmt, fp8_max as dtype_fp8_max
 from .._common import check, check_devices, check_fp8, check_rotation, contiguous, describe, triton_or_reference
-
-QUANT_BLOCKS = (16, 32, 64, 128)
-
 
 def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max) -> None:
     check_scale_fmt(scale_fmt)
@@ -26,8 +23,9 @@ def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8
         raise ValueError(f"x must be bfloat16 [..., 128], got {describe(x)}")
     check("x", x, (None,) * (x.dim() - 1) + (HEAD_DIM,), (torch.bfloat16,), "[..., 128]")
     check_rotation(rotation)
-    if quant_block not in QUANT_BLOCKS:
-        raise ValueError(f"quant_block must be one of {QUANT_BLOCKS} (groups of the 128 rotated values), got {quant_block}")
+    if quant_block not in ROTATED_QUANT_BLOCKS:
+        raise ValueError(f"quant_block must be one of {ROTATED_QUANT_BLOCKS} (groups of the 128 rotated values), got "
+                         f"{quant_block}")
     if not 0 < fp8_max <= dtype_fp8_max(fp8_dtype):
         raise ValueError(f"fp8_max must be in (0, {dtype_fp8_max(fp8_dtype)}] for {fp8_dtype}, got {fp8_max}")
     if not scale == scale or scale in (float("inf"), float("-inf")) or divide and scale == 0:
