@@ -126,7 +126,8 @@ def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype, **stat
 def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | None = None):
     """For the ops aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere (and for fnuz
     fp8 outputs on NVIDIA)."""
-    return _function(op, "torch" if device.type == "cpu" else _triton_unless_fnuz_on_nvidia(op, capability(), fp8_dtype))
+    backend = "torch" if device.type == "cpu" else _triton_unless_fnuz_on_nvidia(op, capability(), fp8_dtype)
+    return _function(op, backend)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ Eager idiom (``Indexer.rotate_activation``, DeepSeek's and SGLang's reference), 
 
 Matches act_quant (``fx_utils.match_act_quant``) of a bf16 tensor that is the product of a bf16 ``x`` and a matrix
 ``H`` of static shape [128, 128] that is a graph input (parameter, buffer) or a constant, possibly transposed or
-cast to fp32, optionally times or divided by a constant, and rounded to bf16. Its values need no proof: the kernel multiplies by
-whatever matrix it gets. Every node between ``x`` and the quantized outputs must be read only by the next one.
+cast to fp32, optionally times or divided by a constant, and rounded to bf16. Its values need no proof: the kernel
+multiplies by whatever matrix it gets. Every node between ``x`` and the quantized outputs must be read only by the
+next one.
 Rewrites to ``nsa.rotate_act_quant(x, H, c, ...)`` (q side; its scale output feeds the head-gate chain unchanged),
 or gives the ``nsa.quant_cache_store`` that ``quant_cache_store`` made (with its ``(y * c).to(bf16)`` epilogue
 already folded in) ``k = x, rotation = H`` (k side). Never: an unrounded fp32 result, a bf16 product scaled
@@ -145,8 +146,9 @@ class RotateActQuant(GraphPass):
         if anchor.target is torch.ops.higher_order.auto_functionalized:
             rotation = _rotation_of_store(anchor)
             _single_use(rotation.chain, "the rotation")
-            anchor.kwargs = {**anchor.kwargs, "k": rotation.x, "rotation": rotation.matrix, "input_scale": rotation.scale,
-                             "input_divide": rotation.divide, "input_dtype": torch.bfloat16}
+            anchor.kwargs = {**anchor.kwargs, "k": rotation.x, "rotation": rotation.matrix,
+                             "input_scale": rotation.scale, "input_divide": rotation.divide,
+                             "input_dtype": torch.bfloat16}
             return anchor
         quant = match_act_quant(anchor)
         rotation = match_rotation(quant.x)

@@ -30,7 +30,8 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
         raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
     check("slot_mapping", slot_mapping, (k.shape[0],), INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
     check_layout(cache, page_size, preshuffle)
-    check_devices(k=k, cache=cache, slot_mapping=slot_mapping, **({} if rotation is None else {"rotation": rotation}))
+    check_devices(k=k, cache=cache, slot_mapping=slot_mapping,
+                  **({} if rotation is None else {"rotation": rotation}))
 
 
 @torch.library.custom_op("nsa::quant_cache_store", mutates_args=("cache",))
@@ -50,9 +51,9 @@ def quant_cache_store(
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
     ``k' = (k @ rotation) * input_scale`` in fp32 (``/ input_scale`` with ``input_divide``; ``k`` itself without a
-    rotation), rounded to ``input_dtype`` when given: the Hadamard rotation ``(k.float() @ H * 128**-0.5).to(bf16)``, which then needs no kernel of its own.
-    The rotation ([128, 128] fp32 or bf16, any strides) is summed in another order than a cuBLAS GEMM: see
-    docs/numerics.md for the bytes that may differ."""
+    rotation), rounded to ``input_dtype`` when given: the Hadamard rotation ``(k.float() @ H * 128**-0.5).to(bf16)``,
+    which then needs no kernel of its own. The rotation ([128, 128] fp32 or bf16, any strides) is summed in another
+    order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
     k, slot_mapping = contiguous(k, slot_mapping)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,

@@ -12,7 +12,8 @@ from ...quant import QUANT_BLOCK, act_quant
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None) -> None:
     """``act_quant`` each row of ``k'`` and write values + scale into ``cache`` at its slot (negative = skip)."""
-    values, scale = act_quant(scaled_input(k, input_scale, input_dtype, input_divide, rotation), QUANT_BLOCK, scale_fmt, fp8_dtype)
+    k = scaled_input(k, input_scale, input_dtype, input_divide, rotation)
+    values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
     KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))
 
 

@@ -42,8 +42,9 @@ def _quant_store_kernel(
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """act_quant of BLOCK_T rows of ``k * SCALE`` (or ``/``: ``scale_rows``; ``k @ R`` first with ``ROTATE``) (rounded to ``ROUND_TO``: "bf16", "fp16" or ""), then the
-    fp8 values and fp32 scale of each row go to its slot (bit-identical to the torch reference: ``quantize_rows``)."""
+    """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
+    ``ROTATE``: ``rotate_rows``) rounded to ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale
+    of each row go to its slot (bit-identical to the torch reference without a rotation: ``quantize_rows``)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens

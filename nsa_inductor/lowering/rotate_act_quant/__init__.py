@@ -1,9 +1,10 @@
 """``nsa.rotate_act_quant``: the indexer's Hadamard rotation and the act_quant after it, as one op.
 
-``y = ((x.float() @ rotation) * scale).to(bf16)`` (``/ scale`` with ``divide``; eager's ``rotate_activation``) then ``act_quant(y)``: fp8 values
-and one fp32 scale per ``quant_block`` group. The Triton kernel multiplies a tile of rows by the rotation with
-``tl.dot`` (an fp32 rotation split into bf16 hi + lo in registers, so any static 128x128 matrix is applied to ~16
-bits and a +-1 Hadamard exactly), so neither the fp32 GEMM output nor the bf16 rotated rows reach memory. The
+``y = ((x.float() @ rotation) * scale).to(bf16)`` (``/ scale`` with ``divide``; eager's ``rotate_activation``),
+then ``act_quant(y)``: fp8 values and one fp32 scale per ``quant_block`` group. The Triton kernel multiplies a
+tile of rows by the rotation with ``tl.dot`` (an fp32 rotation split into bf16 hi + lo in registers, so any static
+128x128 matrix is applied to ~16 bits and a +-1 Hadamard exactly), so neither the fp32 GEMM output nor the bf16
+rotated rows reach memory. The
 products are summed in another order than cuBLAS: docs/numerics.md states which bytes may differ. aiter has no
 kernel for it: Triton on GPUs, the reference elsewhere.
 """
@@ -15,6 +16,7 @@ import torch
 from ...layout import HEAD_DIM
 from ...quant import ROTATED_QUANT_BLOCKS, check_scale_fmt, fp8_max as dtype_fp8_max
 from .._common import check, check_devices, check_fp8, check_rotation, contiguous, describe, triton_or_reference
+
 
 def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max) -> None:
     check_scale_fmt(scale_fmt)
@@ -40,8 +42,9 @@ def _scale_shape(x: torch.Tensor, quant_block: int) -> list:
 @torch.library.custom_op("nsa::rotate_act_quant", mutates_args=())
 def rotate_act_quant(x: torch.Tensor, rotation: torch.Tensor, scale: float, divide: bool, quant_block: int,
                      scale_fmt: str, fp8_dtype: torch.dtype, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``act_quant(((x.float() @ rotation) * scale).to(bf16))`` (``/ scale`` with ``divide``): ``(values fp8 [..., 128], scale fp32 [..., 128 //
-    quant_block])``, values clamped to ``fp8_max`` (the type's own max or less: 224 for fnuz q in SGLang).
+    """``act_quant(((x.float() @ rotation) * scale).to(bf16))`` (``/ scale`` with ``divide``): ``(values fp8
+    [..., 128], scale fp32 [..., 128 // quant_block])``, values clamped to ``fp8_max`` (the type's own max or less:
+    224 for fnuz q in SGLang).
 
     ``x``: bf16 ``[..., 128]``; ``rotation``: ``[128, 128]`` fp32 or bf16, any strides."""
     _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max)

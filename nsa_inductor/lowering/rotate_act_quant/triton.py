@@ -12,11 +12,13 @@ from .._triton_common import (interpreted, quantize_constants, quantize_rows, ro
 
 @triton.jit
 def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, stride_rk, stride_rn,
-                             SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+                             SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr,
+                             SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
                              FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
                              SIGNED_ZERO: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr):
     """``y = bf16((x @ R) * SCALE)`` for BLOCK_M rows (``rotate_rows``: fp32 accumulation, then the scale in fp32
-    as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK group of ``y`` (``quantize_rows``)."""
+    as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
+    group of ``y`` (``quantize_rows``)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, 128)
     in_range = r < rows
@@ -42,7 +44,8 @@ def block_rows(rows: int) -> int:
     return 16 if rows <= 1024 else 32
 
 
-def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, block_m: int | None = None):
+def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max,
+                     block_m: int | None = None):
     """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x``: one launch."""
     values = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(*x.shape[:-1], 128 // quant_block, dtype=torch.float32, device=x.device)
