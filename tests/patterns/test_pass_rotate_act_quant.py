@@ -13,7 +13,7 @@ from nsa_inductor.indexer import hadamard_matrix
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns.rotate_act_quant import RotateActQuant
 from nsa_inductor.quant import act_quant
-from nsa_inductor.workload import decode_batch
+from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other, static_cache
 from helpers.pass_helpers import (assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, near_miss_reasons,
                                   pass_entry, pass_graphs, run_pass)
@@ -226,3 +226,15 @@ def test_no_near_miss_report_for_fp8_casts_of_other_idioms():
     compiled_fn(rows((3,)))
     reasons = near_miss_reasons(dump_dir, "rotate_act_quant")
     assert reasons and all("not a product with a matrix" in r for r in reasons)
+
+
+def test_fires_on_a_one_token_prefill():
+    """T = 1 (Dynamo specialises the size-1 token dimension): both rotations still fused, bytes equal eager."""
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
+    batch = prefill_batch(config, layout, [1], seed=9, cache_pages=CACHE_SLOTS // layout.page_size)
+    assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+    (graph,) = [g for g in graph_dirs(dump_dir) if f"[1, {config.n_heads}, 128]" in (g / "00_input.py").read_text()]
+    before, after = pass_graphs(graph, "rotate_act_quant")
+    assert pass_entry(graph, "rotate_act_quant")["matched"] == 2
+    assert count_ops(before, "aten.mm") - count_ops(after, "aten.mm") == 2
