@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate]
 # topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
 # torch's order and set order, B=1 ctx 32768).
+# rotate: GPU tests, the fused Hadamard rotation's kernels against eager/cuBLAS, its numerics against eager
+# (docs/numerics.md), a CUDA-graph decode step at B=64 and B=8.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
@@ -20,6 +22,9 @@ python3 -c "import torch, triton; print(f'torch {torch.__version__} triton {trit
 if [ "$mode" = "numerics" ]; then
   python3 benchmarks/stage_diff.py 2>&1 | tee "$OUT/stage_diff.log" | grep '^|'
 fi
+if [ "$mode" = "numerics" ] || [ "$mode" = "rotate" ]; then
+  python3 benchmarks/rotation_numerics.py --device cuda 2>&1 | tee "$OUT/rotation_numerics.log" | grep -v '^$'
+fi
 
 if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ]; then
   python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
@@ -35,6 +40,11 @@ case "$mode" in
           --out "$OUT/e2e_cg_set" 2>&1 | tee "$OUT/e2e_cg_set.log" | tail -n 4
         python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --batch 1 --ctx 32768 --out "$OUT/e2e_cg_b1" 2>&1 \
           | tee "$OUT/e2e_cg_b1.log" | tail -n 6 ;;
+  rotate) python3 benchmarks/kernels.py --only rotate --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 12
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --out "$OUT/e2e_cg" 2>&1 | tee "$OUT/e2e_cg.log" \
+            | tail -n 6
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --batch 8 --out "$OUT/e2e_cg_b8" 2>&1 \
+            | tee "$OUT/e2e_cg_b8.log" | tail -n 6 ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \

@@ -1,7 +1,7 @@
 """Kernel benchmarks for the ``nsa`` ops on one GPU: Triton kernels against the torch reference, same run.
 
     python benchmarks/kernels.py [--quick] [--out DIR] [--paged-config CHUNK,BLOCK_N,WARPS,STAGES ...]
-                                 [--ragged-config BLOCK_M,BLOCK_N,WARPS,STAGES ...] [--no-torch]
+                                 [--ragged-config BLOCK_M,BLOCK_N,WARPS,STAGES ...] [--no-torch] [--only NAME ...]
 
 Timings are ``triton.testing.do_bench`` medians; do_bench clears L2 (writes a 256 MB buffer) before every call,
 so K-cache reads come from HBM. Inputs are random (never zeros). Bandwidth counts K values + scales read, q,
@@ -174,6 +174,43 @@ def bench_head_gate(args, rows: list[dict]) -> None:
                      "config": str(default), "sweep": {str(c): t for c, t in results.items()}})
 
 
+def bench_rotate(args, rows: list[dict]) -> None:
+    """The Hadamard rotation fused into act_quant (``nsa.rotate_act_quant``, q: M tokens x 64 heads rows) and into
+    the K store (the ``rotation`` prologue, k: [M, 128]), against what runs without the fusion: eager's
+    ``act_quant((x.float() @ H * 128**-0.5).to(bf16))`` for q, and for k cuBLAS's fp32 GEMM followed by the store
+    kernel with its ``(y * c).to(bf16)`` epilogue (the compiled path before this pass). CUDA-graph timing (GPU time,
+    no launch cost); the sweep tries the kernel's rows per program."""
+    from nsa_inductor.indexer import hadamard_matrix
+    from nsa_inductor.quant import act_quant
+
+    tk, _ = _op("rotate_act_quant")
+    store, _ = _op("quant_cache_store")
+    h = hadamard_matrix(128).to(DEV)
+    c = 128**-0.5
+    for tokens in (1, 8, 64):
+        x = torch.randn(tokens, 64, 128, device=DEV).bfloat16()
+        call = (x, h, c, False, 128, "ue8m0", torch.float8_e4m3fn, 448.0)
+        blocks = sorted({tk.block_rows(tokens * 64), 16, 32, 64})
+        results = {b: _graph_us(lambda b=b: tk.rotate_act_quant(*call, block_m=b)) for b in blocks}
+        default = tk.block_rows(tokens * 64)
+        torch_us = None if args.no_torch else _graph_us(lambda: act_quant((x.float() @ h * c).to(torch.bfloat16)))
+        nbytes = x.numel() * 2 + h.numel() * 4 + x.numel() + tokens * 64 * 4
+        rows.append({**_bandwidth_row("rotate_act_quant", f"q M={tokens}x64 rows (vs eager GEMM + act_quant)",
+                                      results[default], torch_us, nbytes),
+                     "config": f"block_m {default}", "sweep": {f"block_m {b}": t for b, t in results.items()}})
+        layout = KCacheLayout(64)
+        cache = layout.allocate(1 << 16, device=DEV)
+        k = torch.randn(tokens, 128, device=DEV).bfloat16()
+        slots = torch.randperm(1 << 16, device=DEV)[:tokens]
+        fused = (k, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16, False, h)
+        us = _graph_us(lambda: store.quant_cache_store(*fused))
+        unfused = None if args.no_torch else _graph_us(lambda: store.quant_cache_store(
+            k.float() @ h, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16))
+        nbytes = k.numel() * 2 + h.numel() * 4 + tokens * 132 + tokens * 8
+        rows.append(_bandwidth_row("quant_cache_store+rotation",
+                                   f"k M={tokens} (vs cuBLAS GEMM + store epilogue)", us, unfused, nbytes))
+
+
 def _graph_us(fn, calls: int = 20) -> float:
     """Median GPU µs per call over replays of a CUDA graph of ``calls`` calls: no host launch cost, inputs left in
     L2 as they are when the logits kernel has just written them."""
@@ -251,7 +288,8 @@ def main() -> None:
     parser.add_argument("--ragged-config", action="append", metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
                         help="ragged logits config to try (repeatable; default: the kernel's)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference timings")
-    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "topk"], action="append",
+    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "topk", "rotate"],
+                        action="append",
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -259,7 +297,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
-               "head_gate": bench_head_gate, "topk": bench_topk}
+               "head_gate": bench_head_gate, "topk": bench_topk, "rotate": bench_rotate}
     for name, bench in benches.items():
         if not args.only or name in args.only:
             bench(args, rows)

@@ -8,6 +8,8 @@ QUANT_BLOCK = 128
 AMAX_FLOOR = 1e-4
 SCALE_FORMATS = ("ue8m0", "fp32")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# Group sizes the fused rotation's kernel quantizes rows of 128 in (nsa.rotate_act_quant).
+ROTATED_QUANT_BLOCKS = (16, 32, 64, 128)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -43,3 +45,17 @@ def act_quant(
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     y = (blocks / scale).clamp(-fmax, fmax).to(fp8_dtype)
     return y.flatten(-2), scale.squeeze(-1)
+
+
+def fp8_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance of two fp8 tensors of one type in steps of the fp8 grid (int32, elementwise; +0 and -0 are one
+    step apart). For the contracts of rewrites that change a summation order (docs/numerics.md)."""
+    if a.dtype != b.dtype or a.dtype not in FP8_DTYPES:
+        raise ValueError(f"a and b must share one fp8 type of {FP8_DTYPES}, got {a.dtype} and {b.dtype}")
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        code = t.view(torch.uint8).to(torch.int32)
+        magnitude = code & 0x7F
+        return torch.where(code >= 0x80, -magnitude - 1, magnitude)
+
+    return (ordered(a) - ordered(b)).abs()

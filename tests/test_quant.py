@@ -60,3 +60,13 @@ def test_fp8_max_and_bad_arguments():
         fp8_max(torch.bfloat16)
     with pytest.raises(ValueError, match="scale_fmt"):
         act_quant(torch.zeros(1, 128), scale_fmt="e8m0")
+
+
+def test_fp8_ulps_counts_steps_of_the_fp8_grid():
+    from nsa_inductor.quant import fp8_ulps
+
+    a = torch.tensor([1.0, 1.0, -1.0, 0.0, 448.0, -448.0, 0.0]).to(torch.float8_e4m3fn)
+    b = torch.tensor([1.125, 1.0, -1.125, -0.0, 416.0, 448.0, 2.0**-9]).to(torch.float8_e4m3fn)
+    assert fp8_ulps(a, b).tolist() == [1, 0, 1, 1, 1, 253, 1]
+    with pytest.raises(ValueError, match="share one fp8 type"):
+        fp8_ulps(a, b.float())

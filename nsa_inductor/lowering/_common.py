@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ..capability import aiter_refusal, capability
-from ..layout import KCacheLayout
+from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
 
 log = logging.getLogger("nsa_inductor")
@@ -43,6 +43,11 @@ def check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple[torch.dtype, .
     if not ok or t.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name} must be {names} {what}, got {describe(t)}")
+
+
+def check_rotation(rotation: torch.Tensor) -> None:
+    """A rotation the kernels multiply rows of 128 by: ``[128, 128]`` fp32 or bf16, any strides."""
+    check("rotation", rotation, (HEAD_DIM, HEAD_DIM), (torch.float32, torch.bfloat16), "[128, 128]")
 
 
 def check_layout(cache: torch.Tensor, page_size: int, preshuffle: bool) -> KCacheLayout:
@@ -93,6 +98,10 @@ def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype | None,
         if why is None:
             return "aiter"
         _log_once(f"nsa_inductor: nsa.{op} runs the Triton kernel, not aiter's: {why}")
+    return _triton_unless_fnuz_on_nvidia(op, cap, fp8_dtype)
+
+
+def _triton_unless_fnuz_on_nvidia(op: str, cap, fp8_dtype: torch.dtype | None) -> str:
     if not cap.use_triton:
         return "torch"
     if cap.platform == "cuda" and fp8_dtype == torch.float8_e4m3fnuz and op != "gather_k":
@@ -115,9 +124,11 @@ def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype | None,
     return _function(op, choose_backend(op, device, fp8_dtype, **static))
 
 
-def triton_or_reference(op: str, device: torch.device):
-    """For an op aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere."""
-    return _function(op, "triton" if device.type != "cpu" and capability().use_triton else "torch")
+def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | None = None):
+    """For the ops aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere (and for fnuz
+    fp8 outputs on NVIDIA)."""
+    backend = "torch" if device.type == "cpu" else _triton_unless_fnuz_on_nvidia(op, capability(), fp8_dtype)
+    return _function(op, backend)
 
 
 # ---------------------------------------------------------------------------------------------------------------

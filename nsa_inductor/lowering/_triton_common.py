@@ -8,8 +8,15 @@ element of its outputs and never reads a device value on the host, so all of the
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..quant import AMAX_FLOOR
+
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 def interpreted(kernel) -> bool:
@@ -41,3 +48,112 @@ def round_to_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr):
+    """Round fp32 ``y`` (already within +-fmax) to the nearest e4m3 value, ties to even, still in fp32.
+
+    The fp8 cast after it is then exact on every backend, so the bytes do not depend on how a backend rounds
+    (the Triton interpreter's own cast truncates and drops carries). e4m3 keeps 3 mantissa bits: the grid step is
+    ``2^(e-3)`` with ``e`` the exponent of ``y``, floored at the smallest normal exponent ``MIN_EXP``
+    (subnormals). Adding and subtracting 1.5 * 2^23 rounds a float below 2^22 to an integer, ties to even.
+    fnuz has no negative zero (its 0x80 is NaN), hence ``SIGNED_ZERO``. The sign comes from ``sign_of`` (the
+    unscaled input: the scale is positive) and is set as a bit: a GPU clamp or negation may turn -0.0 into +0.0.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign_negative = sign_of.to(tl.int32, bitcast=True) < 0
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
+    if SIGNED_ZERO:
+        negative = sign_negative
+    else:
+        negative = sign_negative & (r > 0.0)
+    return (r.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
+                  SIGNED_ZERO: tl.constexpr, ON_GPU: tl.constexpr):
+    """act_quant of each row of fp32 ``x [R, block]``: ``(values on the fp8 grid, still fp32, scale [R])``.
+
+    Bit-identical to the torch reference (``quant.act_quant``) on the same device: torch on a GPU computes
+    ``amax / fmax`` as ``amax * (1/fmax)`` (scalar divisor) and log2/exp2 with the device math library
+    (libdevice/ocml); on the host (interpreter) it divides exactly. ``x / scale`` is an IEEE division in both.
+    """
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    if ON_GPU:
+        scale = amax * INV_FMAX
+    else:
+        scale = tl.math.div_rn(amax, FMAX)
+    if UE8M0:
+        if ON_GPU:
+            scale = libdevice.exp2(tl.math.ceil(libdevice.log2(scale)))
+        else:
+            scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
+    return round_to_fp8_grid(y, x, MIN_EXP, SIGNED_ZERO), scale
+
+
+@triton.jit
+def scale_rows(y, SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, ON_GPU: tl.constexpr):
+    """``y * SCALE``, or ``y / SCALE`` with ``DIVIDE`` as torch divides by a Python float on the same device: on a
+    GPU ``y * INV_SCALE`` (fp32 ``1/SCALE``), on the host (interpreter) an IEEE division."""
+    if DIVIDE:
+        if ON_GPU:
+            y = y * INV_SCALE
+        else:
+            y = tl.math.div_rn(y, SCALE)
+    elif SCALE != 1.0:
+        y = y * SCALE
+    return y
+
+
+def scale_constants(scale: float, divide: bool) -> dict:
+    """The constexpr arguments of :func:`scale_rows`."""
+    return {"SCALE": float(scale), "INV_SCALE": float(np.float32(1.0) / np.float32(scale)), "DIVIDE": bool(divide)}
+
+
+def quantize_constants(fp8_dtype: torch.dtype, fmax: float, scale_fmt: str) -> dict:
+    """The constexpr arguments of :func:`quantize_rows` for one fp8 type, clamp bound and scale format."""
+    return {"FMAX": fmax, "INV_FMAX": float(np.float32(1.0) / np.float32(fmax)), "UE8M0": scale_fmt == "ue8m0",
+            "MIN_EXP": 1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
+            "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn}
+
+
+@triton.jit
+def split_bf16(w):
+    """fp32 ``w`` as two bf16 values (kept in fp32) whose sum is exact in fp32, ~16 significant bits of ``w``:
+    ``hi`` = w with its low 16 bits cleared, ``lo`` = bf16(w - hi) (nearest even). A bf16 ``w`` has ``lo = 0``."""
+    hi = (w.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+    return hi, round_to_bf16(w - hi)
+
+
+@triton.jit
+def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
+    """``acc + a @ b`` for operands whose values are bf16: a bf16 dot on GPUs; under the interpreter (its dot
+    multiplies bf16 tiles as the integers they are stored in) an exact fp32 dot of the same values."""
+    if ON_GPU:
+        acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
+    """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. An fp32 ``R`` (``SPLIT``) enters as bf16
+    ``hi + lo`` (:func:`split_bf16`: two dots, R to ~16 bits; a +-1 Hadamard has ``lo = 0`` and is exact); a bf16
+    one as is. ``R`` is read through its strides: a transposed view (``F.linear``'s weight) is not copied."""
+    d = tl.arange(0, 128)
+    r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
+    acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
+    if SPLIT:
+        hi, lo = split_bf16(r)
+        acc = dot_bf16(acc, x, hi, ON_GPU)
+        acc = dot_bf16(acc, x, lo, ON_GPU)
+    else:
+        acc = dot_bf16(acc, x, r, ON_GPU)
+    return acc

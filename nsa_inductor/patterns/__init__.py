@@ -16,6 +16,8 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     """Fresh pass objects for one compile, configured by ``options``, in the order they must run.
 
     RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
+    ``rotate_act_quant`` runs after ``quant_cache_store`` (it gives the store its rotation, and fuses the q side's)
+    and before ``head_gate_gemm``, whose gate chain then reads the fused op's scale;
     the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
     before ``topk_indices``, which reads their masks to bound its scan;
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs last so the matchers see the graph as the user wrote it.
@@ -26,10 +28,11 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .mqa.ragged import RaggedMqaLogits
     from .quant_cache_store import QuantCacheStore
     from .rope_copy_elision import RopeCopyElision
+    from .rotate_act_quant import RotateActQuant
     from .searchsorted_offset import SearchsortedOffset
     from .topk_indices import TopkIndices
 
-    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore()]
+    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant()]
     if options.head_gate_mode != "off":
         passes.append(HeadGateGemm(mode=options.head_gate_mode))
     passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),

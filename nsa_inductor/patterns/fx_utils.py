@@ -1,6 +1,6 @@
 """FX helpers shared by the passes: op tests, argument reads, the view-op set and the one view-chain walker, node
-insertion with fake metadata, reshape/replace, symbolic-size proofs, and evaluating an index sub-graph on probe
-inputs (to check what an expression computes, whatever its spelling)."""
+insertion with fake metadata, reshape/replace, symbolic-size proofs, evaluating an index sub-graph on probe
+inputs (to check what an expression computes, whatever its spelling), and the act_quant matcher."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import operator
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,6 +18,7 @@ from torch._inductor.pattern_matcher import get_arg_value
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
 from .base import NearMiss
 
 aten = torch.ops.aten
@@ -316,3 +318,95 @@ def replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, known
         new = insert_call(graph, aten.reshape.default, (new, sizes))
     old.replace_all_uses_with(new)
     erase_dead(graph, [old])
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# act_quant
+# -----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ActQuant:
+    """``quant.act_quant`` found in a graph: ``x`` (before its fp32 cast and the reshape into blocks), the fp8
+    ``values`` and the ``scale`` nodes (both block-shaped), and its constants."""
+
+    x: torch.fx.Node
+    values: torch.fx.Node  # the fp8 convert
+    scale: torch.fx.Node
+    scale_fmt: str
+    fp8_dtype: torch.dtype
+    fp8_max: float  # the clamp bound: the type's max or less (SGLang's 224 for fnuz q)
+    block: int
+
+
+def _scalar(node_or_value) -> float:
+    if isinstance(node_or_value, torch.fx.Node):
+        raise NearMiss(f"{node_or_value.name} is not a constant")
+    return float(node_or_value)
+
+
+def _match_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, float, float]:
+    if is_op(node, aten.clamp.default):
+        return node.args[0], _scalar(node.args[1]), _scalar(node.args[2])
+    if is_op(node, aten.clamp_max.default) and is_op(node.args[0], aten.clamp_min.default):
+        return node.args[0].args[0], _scalar(node.args[0].args[1]), _scalar(node.args[1])
+    if is_op(node, aten.clamp_min.default) and is_op(node.args[0], aten.clamp_max.default):
+        return node.args[0].args[0], _scalar(node.args[1]), _scalar(node.args[0].args[1])
+    raise NearMiss("the quantized values are not clamped to [-fp8 max, fp8 max]")
+
+
+def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> str:
+    """Returns the scale format after checking ``amax(|x|).clamp(1e-4) / fmax`` [``-> 2^ceil(log2(.))``]."""
+    raw, fmt = scale, "fp32"
+    if is_op(scale, aten.exp2.default) or is_op(scale, aten.pow.Scalar) and _scalar(scale.args[0]) == 2.0:
+        exponent = scale.args[0] if is_op(scale, aten.exp2.default) else scale.args[1]
+        if not is_op(exponent, aten.ceil.default) or not is_op(exponent.args[0], aten.log2.default):
+            raise NearMiss("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
+        raw, fmt = exponent.args[0].args[0], "ue8m0"
+    if is_op(raw, aten.div.Tensor):
+        divisor = _scalar(raw.args[1])
+    elif is_op(raw, aten.mul.Tensor):
+        divisor = 1.0 / _scalar(raw.args[1])
+    else:
+        raise NearMiss("the scale is not amax / fp8 max")
+    if divisor != fmax and float(torch.tensor(1.0 / divisor, dtype=torch.float32)) != float(
+            torch.tensor(1.0 / fmax, dtype=torch.float32)):
+        raise NearMiss(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
+    floor = raw.args[0]
+    if not is_op(floor, aten.clamp_min.default) or abs(_scalar(floor.args[1]) - AMAX_FLOOR) > 1e-12:
+        raise NearMiss(f"amax is not floored at {AMAX_FLOOR}")
+    amax = floor.args[0]
+    if not is_op(amax, aten.amax.default) or not is_op(amax.args[0], aten.abs.default):
+        raise NearMiss("the scale is not built from amax(|x|)")
+    dims = [int(d) % val(blocks).dim() for d in amax.args[1]]
+    keepdim = arg(amax, 2, "keepdim", False)
+    if amax.args[0].args[0] is not blocks or dims != [val(blocks).dim() - 1] or not keepdim:
+        raise NearMiss("amax is not taken over the last dimension of the quantized blocks (with keepdim), so the "
+                      "scale is not one per block")
+    return fmt
+
+
+def match_act_quant(values: torch.fx.Node) -> ActQuant:
+    """Prove ``values`` is the fp8 output of ``quant.act_quant`` (DESIGN §2 step 4), however it is spelled after
+    decomposition: ``clamp(x / scale, +-fmax)`` cast to fp8, ``scale = amax(|x|).clamp(1e-4) / fmax``
+    [``-> 2^ceil(log2(.))``] over the last dimension of the blocks."""
+    if not is_op(values, prims.convert_element_type.default) or values.args[1] not in FP8_DTYPES:
+        raise NearMiss(f"the quantized values are not an fp8 cast ({values.target})")
+    fp8_dtype = values.args[1]
+    quotient, low, high = _match_clamp(values.args[0])
+    if low != -high or not 0 < high <= fp8_max(fp8_dtype):
+        raise NearMiss(f"values clamped to [{low}, {high}], but {fp8_dtype}'s max is {fp8_max(fp8_dtype)}")
+    if not is_op(quotient, aten.div.Tensor) or not isinstance(quotient.args[1], torch.fx.Node):
+        raise NearMiss("the values are not x / scale")
+    blocks, scale = quotient.args
+    scale_fmt = _match_scale(scale, blocks, high)
+    x = _squeezed_root(blocks)
+    if is_op(x, prims.convert_element_type.default) and val(x).dtype == torch.float32:
+        x = x.args[0]
+    return ActQuant(x, values, scale, scale_fmt, fp8_dtype, high, int(val(blocks).shape[-1]))
+
+
+def _squeezed_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor behind views (a ``select`` of a size-1 dim counts as a squeeze): the same values, reshaped."""
+    return walk_back(node, lambda n: n.args[0] if is_op(n, *VIEW_OPS) or (
+        is_op(n, aten.select.int) and int(val(n.args[0]).shape[n.args[1]]) == 1) else None)[0]

@@ -10,7 +10,7 @@ Matches the ``index_put`` chain on views of the cache ending in the epilogue ``c
 probing proves the bytes written are the layout's offsets of each slot, the values are that act_quant's, and
 padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices.
 Rewrites to ``auto_functionalized(nsa.quant_cache_store, ...)`` (reinplaced: no copy of the cache); a quantized
-``(y_fp32 * c).to(bf16)`` used only here is folded in (``input_scale=c, input_dtype=bf16``).
+``(y_fp32 * c).to(bf16)`` (or ``/ c``) used only here is folded in (``input_scale=c, input_dtype=bf16``).
 Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache.
 """
 
@@ -24,10 +24,10 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..layout import KCacheLayout
-from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
+from ..quant import fp8_max
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import (VIEW_OPS, aten, arg, evaluate, insert_call, is_op, norm_dim, prims, same_shape, slice_params,
-                       val, walk_back)
+from .fx_utils import (VIEW_OPS, ActQuant, aten, arg, evaluate, insert_call, is_op, match_act_quant, norm_dim, prims,
+                       same_shape, slice_params, val, walk_back)
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
@@ -199,83 +199,18 @@ def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_to
     return len(shape) >= 1 and str(shape[0]) == str(val(slot).shape[0]) and row_bytes == bytes_per_token
 
 
-@dataclass
-class ActQuant:
-    k: torch.fx.Node
-    values: torch.fx.Node  # the fp8 convert
-    scale: torch.fx.Node
-    scale_fmt: str
-    fp8_dtype: torch.dtype
-
-
-def _scalar(node_or_value) -> float:
-    if isinstance(node_or_value, torch.fx.Node):
-        raise NearMiss(f"{node_or_value.name} is not a constant")
-    return float(node_or_value)
-
-
-def _match_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, float, float]:
-    if is_op(node, aten.clamp.default):
-        return node.args[0], _scalar(node.args[1]), _scalar(node.args[2])
-    if is_op(node, aten.clamp_max.default) and is_op(node.args[0], aten.clamp_min.default):
-        return node.args[0].args[0], _scalar(node.args[0].args[1]), _scalar(node.args[1])
-    if is_op(node, aten.clamp_min.default) and is_op(node.args[0], aten.clamp_max.default):
-        return node.args[0].args[0], _scalar(node.args[1]), _scalar(node.args[0].args[1])
-    raise NearMiss("the quantized values are not clamped to [-fp8 max, fp8 max]")
-
-
-def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> str:
-    """Returns the scale format after checking ``amax(|x|).clamp(1e-4) / fmax`` [``-> 2^ceil(log2(.))``]."""
-    raw, fmt = scale, "fp32"
-    if is_op(scale, aten.exp2.default) or is_op(scale, aten.pow.Scalar) and _scalar(scale.args[0]) == 2.0:
-        exponent = scale.args[0] if is_op(scale, aten.exp2.default) else scale.args[1]
-        if not is_op(exponent, aten.ceil.default) or not is_op(exponent.args[0], aten.log2.default):
-            raise NearMiss("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
-        raw, fmt = exponent.args[0].args[0], "ue8m0"
-    if is_op(raw, aten.div.Tensor):
-        divisor = _scalar(raw.args[1])
-    elif is_op(raw, aten.mul.Tensor):
-        divisor = 1.0 / _scalar(raw.args[1])
-    else:
-        raise NearMiss("the scale is not amax / fp8 max")
-    if divisor != fmax and float(torch.tensor(1.0 / divisor, dtype=torch.float32)) != float(
-            torch.tensor(1.0 / fmax, dtype=torch.float32)):
-        raise NearMiss(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
-    floor = raw.args[0]
-    if not is_op(floor, aten.clamp_min.default) or abs(_scalar(floor.args[1]) - AMAX_FLOOR) > 1e-12:
-        raise NearMiss(f"amax is not floored at {AMAX_FLOOR}")
-    amax = floor.args[0]
-    if not is_op(amax, aten.amax.default) or not is_op(amax.args[0], aten.abs.default):
-        raise NearMiss("the scale is not built from amax(|x|)")
-    dims = [int(d) % val(blocks).dim() for d in amax.args[1]]
-    keepdim = arg(amax, 2, "keepdim", False)
-    if amax.args[0].args[0] is not blocks or dims != [val(blocks).dim() - 1] or not keepdim:
-        raise NearMiss("amax is not taken over the last dimension of the quantized blocks (with keepdim), so the "
-                      "scale is not one per block")
-    return fmt
-
-
-def _match_act_quant(values: torch.fx.Node) -> ActQuant:
-    if not is_op(values, prims.convert_element_type.default) or values.args[1] not in FP8_DTYPES:
-        raise NearMiss(f"the cached values are not an fp8 cast ({values.target})")
-    fp8_dtype = values.args[1]
-    fmax = fp8_max(fp8_dtype)
-    quotient, low, high = _match_clamp(values.args[0])
-    if (low, high) != (-fmax, fmax):
-        raise NearMiss(f"values clamped to [{low}, {high}], but {fp8_dtype}'s max is {fmax}")
-    if not is_op(quotient, aten.div.Tensor) or not isinstance(quotient.args[1], torch.fx.Node):
-        raise NearMiss("the values are not x / scale")
-    blocks, scale = quotient.args
-    if int(val(blocks).shape[-1]) != 128:
-        raise NearMiss(f"quant block is {val(blocks).shape[-1]} wide, the cache holds 128-value blocks")
-    scale_fmt = _match_scale(scale, blocks, fmax)
-    k = _strip(blocks)
-    if is_op(k, prims.convert_element_type.default) and val(k).dtype == torch.float32:
-        k = k.args[0]
-    kval = val(k)
+def _match_cached_act_quant(values: torch.fx.Node) -> ActQuant:
+    """The act_quant the cache holds: the fp8 type's own max, one 128-value block per row of a ``[T, 128]`` k."""
+    quant = match_act_quant(values)
+    fmax = fp8_max(quant.fp8_dtype)
+    if quant.fp8_max != fmax:
+        raise NearMiss(f"values clamped to [{-quant.fp8_max}, {quant.fp8_max}], but {quant.fp8_dtype}'s max is {fmax}")
+    if quant.block != 128:
+        raise NearMiss(f"quant block is {quant.block} wide, the cache holds 128-value blocks")
+    kval = val(quant.x)
     if kval.dim() != 2 or int(kval.shape[-1]) != 128 or kval.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NearMiss(f"the quantized tensor is {kval.dtype} {list(kval.shape)}, expected [T, 128]")
-    return ActQuant(k, values, scale, scale_fmt, fp8_dtype)
+    return quant
 
 
 def _expected(layout: KCacheLayout, probe: torch.Tensor, masked: bool, num_slots: int, scale: bool) -> torch.Tensor:
@@ -332,10 +267,10 @@ class QuantCacheStore(GraphPass):
         num_slots = int(cval.shape[0]) * layout.page_size
         writes, slot = _parse_writes(final, cache, layout, num_slots)
         value_write, scale_write = _check_offsets(writes, layout, num_slots)
-        quant = _match_act_quant(_strip(value_write.payload))
+        quant = _match_cached_act_quant(_strip(value_write.payload))
         if _strip(scale_write.payload) is not _strip(quant.scale):
             raise NearMiss("the scale written is not the scale of the quantized values")
-        if val(slot).shape[0] != val(quant.k).shape[0]:
+        if val(slot).shape[0] != val(quant.x).shape[0]:
             raise NearMiss("the slot mapping and the quantized tensor have different token counts")
 
         with graph.inserting_before(final):
@@ -346,7 +281,7 @@ class QuantCacheStore(GraphPass):
                 slots = insert_call(graph, aten.where.self, (negative, wrapped, slot))
             stored = insert_call(
                 graph, torch.ops.higher_order.auto_functionalized, (torch.ops.nsa.quant_cache_store.default,),
-                {"k": quant.k, "cache": cache, "slot_mapping": slots, "page_size": layout.page_size,
+                {"k": quant.x, "cache": cache, "slot_mapping": slots, "page_size": layout.page_size,
                  "preshuffle": layout.preshuffle, "scale_fmt": quant.scale_fmt, "fp8_dtype": quant.fp8_dtype},
             )
             replacement = insert_call(graph, operator.getitem, (stored, 1))
@@ -358,15 +293,16 @@ class QuantCacheStore(GraphPass):
 
 
 def _take_input_epilogue(stored: torch.fx.Node) -> None:
-    """``k = convert(mul(y_fp32, c), bf16/fp16)`` read only by the store: the op computes it from ``y``."""
+    """``k = convert(y_fp32 * c, bf16/fp16)`` (or ``y / c``) read only by the store: the op computes it from ``y``."""
     k = stored.kwargs["k"]
     if not is_op(k, prims.convert_element_type.default) or k.args[1] not in (torch.bfloat16, torch.float16):
         return
     product = k.args[0]
-    if len(k.users) != 1 or not is_op(product, aten.mul.Tensor) or len(product.users) != 1:
+    if len(k.users) != 1 or not is_op(product, aten.mul.Tensor, aten.div.Tensor) or len(product.users) != 1:
         return
     y, factor = product.args
-    if not isinstance(factor, (int, float)) or val(y).dtype != torch.float32:
+    if not isinstance(factor, (int, float)) or val(y).dtype != torch.float32 or factor == 0:
         return
-    stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1]}
+    stored.kwargs = {**stored.kwargs, "k": y, "input_scale": float(factor), "input_dtype": k.args[1],
+                     "input_divide": is_op(product, aten.div.Tensor)}
 

@@ -169,7 +169,33 @@ def small_inputs() -> dict[str, tuple]:
                          torch.tensor([0, 1, 2, 3])),
         "head_gate_gemm": (torch.randn(5, 130, generator=gen).bfloat16(), torch.randn(12, 130, generator=gen), 3,
                            False),
+        "rotate_act_quant": (torch.randn(2, 3, 128, generator=gen).bfloat16(), torch.randn(128, 128, generator=gen),
+                             128**-0.5, False, 64, "ue8m0", FN, 448.0),
     }
+
+
+def integer_rows(rows: int, gen) -> torch.Tensor:
+    """bf16 rows of small integers times a power of two per row: every sum of 128 of them with +-1 signs is exact
+    in fp32, so a Hadamard rotation gives eager's bits in any summation order."""
+    ints = torch.randint(-16, 17, (rows, 128), generator=gen).float()
+    return (ints * torch.exp2(torch.randint(-12, 6, (rows, 1), generator=gen).float())).bfloat16()
+
+
+def assert_fp8_close(got: tuple, want: tuple, values_frac: float, scales_frac: float) -> None:
+    """``(fp8 values [..., G * block], scales [..., G] or [...])`` pairs within the contract of a reordered rotation
+    (docs/numerics.md): at most ``scales_frac`` of the groups change scale (the rounded amax crossed a power of two,
+    or moved, with fp32 scales); in the other groups at most ``values_frac`` of the values differ, by one fp8 step."""
+    from nsa_inductor.quant import fp8_ulps
+
+    (values, scales), (want_values, want_scales) = ((v.cpu(), s.cpu()) for v, s in (got, want))
+    assert values.shape == want_values.shape and scales.shape == want_scales.shape
+    if scales.dim() < values.dim():
+        scales, want_scales = scales.unsqueeze(-1), want_scales.unsqueeze(-1)
+    same_scale = scales == want_scales
+    assert (~same_scale).double().mean() <= scales_frac, f"{int((~same_scale).sum())} of {scales.numel()} scales differ"
+    ulps = fp8_ulps(values, want_values)[same_scale.repeat_interleave(values.shape[-1] // scales.shape[-1], -1)]
+    assert ulps.numel() == 0 or int(ulps.max()) <= 1, f"an fp8 value is {int(ulps.max())} steps off"
+    assert (ulps > 0).double().mean() <= values_frac, f"{int((ulps > 0).sum())} of {ulps.numel()} fp8 values differ"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -369,3 +369,22 @@ def test_rotate_activation_numerics_against_eager(monkeypatch):
     eager = (x.float() @ hadamard_matrix(128) * 128**-0.5).to(torch.bfloat16)
     ulps = (out.view(torch.int16).int() - eager.view(torch.int16).int()).abs()
     assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-4
+
+
+def test_a_store_with_a_rotation_prologue_runs_triton_not_aiter(monkeypatch):
+    """aiter's indexer_k_quant_and_cache has no rotation prologue: with one, the store goes to the Triton kernel
+    (here the reference), never to aiter; describe() says which calls aiter serves."""
+    from nsa_inductor.layout import KCacheLayout
+
+    calls, routes = _simulate(monkeypatch, FAMILIES["0.1.20"])
+    cap = _common.capability()
+    assert cap_mod.aiter_refusal(cap, "quant_cache_store", page_size=64, preshuffle=True, rotation=True)
+    assert "quant_cache_store=aiter [without a rotation prologue]" in cap_mod.aiter_routes(cap, KCacheLayout(64, True))
+    cache = torch.zeros(3, 64 * 132, dtype=torch.uint8)
+    want = cache.clone()
+    k = torch.randn(5, 128).bfloat16()
+    args = (torch.arange(5), 64, True, "ue8m0", FNUZ, 128**-0.5, torch.bfloat16, False, hadamard_matrix(128))
+    torch.ops.nsa.quant_cache_store(k, cache, *args)
+    store_ref(k, want, *args)
+    assert calls == [] and routes == [("quant_cache_store", "triton")]
+    assert torch.equal(cache, want)

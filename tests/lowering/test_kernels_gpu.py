@@ -8,8 +8,10 @@ import importlib
 import pytest
 import torch
 
-from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, assert_rows_close, \
-    assert_topk_valid, eager_topk_rows, \
+from nsa_inductor.indexer import hadamard_matrix
+from nsa_inductor.layout import KCacheLayout
+from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, assert_fp8_close, \
+    assert_rows_close, assert_topk_valid, eager_topk_rows, integer_rows, \
     head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
 from helpers.reference64 import assert_logits_close
 
@@ -25,6 +27,11 @@ DEV = "cuda"
 def _tk(op: str):
     """The Triton module of ``op``."""
     return importlib.import_module(f"nsa_inductor.lowering.{op}.triton")
+
+
+def _op_ref(op: str):
+    """The torch reference module of ``op``."""
+    return importlib.import_module(f"nsa_inductor.lowering.{op}.reference")
 
 
 def _native_fp8_types() -> list[torch.dtype]:
@@ -289,3 +296,82 @@ def test_ops_capture_in_cuda_graph():
     want_paged, want_ragged = step()
     assert torch.equal(paged, want_paged)
     assert torch.equal(ragged, want_ragged)
+
+
+def _rotation_rows(rows: int, gen) -> torch.Tensor:
+    """q/k-like rows of varied magnitude, plus rows whose +-1 sums are exact in any order."""
+    varied = torch.randn(rows, 128, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
+    return torch.cat([varied.bfloat16(), integer_rows(64, gen)]).to(DEV)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 512, 4096])
+@pytest.mark.parametrize("matrix", ["hadamard", "hadamard_bf16", "random_fp32"])
+@pytest.mark.parametrize("dtype", _native_fp8_types())
+def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
+    """DeepSeek decode sizes (B x 64 heads rows): within the rotation contract of the reference on the same GPU (a
+    cuBLAS fp32 GEMM); rows with exact sums bit-identical; outputs fully written."""
+    gen = torch.Generator().manual_seed(rows)
+    x = _rotation_rows(rows, gen)
+    h = hadamard_matrix(128) if matrix != "random_fp32" else torch.randn(128, 128, generator=gen) / 11
+    h = (h.bfloat16() if matrix == "hadamard_bf16" else h).to(DEV)
+    fmax = float(torch.finfo(dtype).max)
+    args = (h, 128**-0.5, False, 128, "ue8m0", dtype, fmax)
+    got = _tk("rotate_act_quant").rotate_act_quant(x, *args)
+    want = _op_ref("rotate_act_quant").rotate_act_quant(x, *args)
+    loose = matrix == "random_fp32"
+    assert_fp8_close(got, want, values_frac=1e-2 if loose else 1e-4, scales_frac=2e-2 if loose else 1e-3)
+    if not loose:
+        exact = slice(rows, None)
+        assert torch.equal(got[0][exact].view(torch.uint8), want[0][exact].view(torch.uint8))
+        assert torch.equal(got[1][exact], want[1][exact])
+
+
+def test_quant_cache_store_rotation_prologue_against_reference():
+    """The k side: the store's rotation prologue and ``/ sqrt(128)`` epilogue within the contract, untouched bytes
+    kept, exact rows bit-identical."""
+    gen = torch.Generator().manual_seed(5)
+    k = _rotation_rows(1000, gen)
+    layout = KCacheLayout(64)
+    slots = torch.randperm(64 * 40, generator=gen)[: k.shape[0]].to(DEV)
+    slots[7] = -1
+    cache = torch.randint(0, 256, (40, layout.page_bytes), dtype=torch.uint8, generator=gen).to(DEV)
+    want = cache.clone()
+    args = ("ue8m0", FN, 128**0.5, torch.bfloat16, True, hadamard_matrix(128).to(DEV))
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, *args)
+    _op_ref("quant_cache_store").quant_cache_store(k, want, slots, 64, False, *args)
+    keep = slots[slots >= 0]
+    assert_fp8_close(layout.load(cache, keep, FN), layout.load(want, keep, FN), values_frac=1e-4, scales_frac=1e-3)
+    exact = slots[1000:]
+    assert torch.equal(cache.view(-1)[layout.value_offsets(exact)], want.view(-1)[layout.value_offsets(exact)])
+    written = torch.zeros(cache.numel(), dtype=torch.bool, device=DEV)
+    written[layout.value_offsets(keep).flatten()] = True
+    written[layout.scale_offsets(keep).flatten()] = True
+    assert torch.equal(cache.view(-1)[~written], want.view(-1)[~written])
+
+
+def test_rotation_ops_capture_in_cuda_graph():
+    """Both rotation paths replay in a CUDA graph with new inputs (no host sync, no data-dependent allocation)."""
+    gen = torch.Generator().manual_seed(6)
+    h = hadamard_matrix(128).to(DEV)
+    x = torch.randn(8, 64, 128, generator=gen).bfloat16().to(DEV)
+    k = torch.randn(8, 128, generator=gen).bfloat16().to(DEV)
+    cache = torch.zeros(4, 64 * 132, dtype=torch.uint8, device=DEV)
+    slots = torch.tensor([0, 3, -1, 64, 65, 200, 255, 7], device=DEV)
+
+    def step():
+        torch.ops.nsa.quant_cache_store(k, cache, slots, 64, False, "ue8m0", FN, 128**-0.5, torch.bfloat16, False, h)
+        return torch.ops.nsa.rotate_act_quant(x, h, 128**-0.5, False, 128, "ue8m0", FN, 448.0)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, scales = step()
+    x.copy_(torch.randn(8, 64, 128, generator=gen).bfloat16())
+    k.copy_(torch.randn(8, 128, generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = cache.clone()
+    want_values, want_scales = step()
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert torch.equal(replayed, cache)

@@ -91,6 +91,25 @@ def test_quant_cache_store_input_epilogue(input_dtype):
         torch.ops.nsa.quant_cache_store(y, got, slots, 16, True, "ue8m0", FN, 1.0, FN)
 
 
+def test_quant_cache_store_rotation_prologue_stores_eagers_rotation():
+    """``rotation=H`` stores exactly what storing ``((k.float() @ H) * c).to(bf16)`` stores (the reference is eager's
+    own GEMM); a rotation needs bf16 rows."""
+    from nsa_inductor.indexer import hadamard_matrix
+
+    gen = torch.Generator().manual_seed(5)
+    k = (torch.randn(9, 128, generator=gen) * torch.logspace(-3, 3, 9)[:, None]).bfloat16()
+    h = hadamard_matrix(128)
+    slots = torch.tensor([3, 0, 15, 7, -1, 9, 12, 1, 30])
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
+    want, got = cache.clone(), cache.clone()
+    torch.ops.nsa.quant_cache_store((k.float() @ h / 128**0.5).bfloat16(), want, slots, 16, True, "ue8m0")
+    torch.ops.nsa.quant_cache_store(k, got, slots, 16, True, "ue8m0", FN, 128**0.5, torch.bfloat16, True, h.t())
+    torch.ops.nsa.quant_cache_store(k, cache, slots, 16, True, "ue8m0", FN, 128**0.5, torch.bfloat16, True, h)
+    assert torch.equal(got, want) and torch.equal(cache, want)  # H is symmetric: the transposed view is H too
+    with pytest.raises(ValueError, match=r"k must be bfloat16 \[T, 128\] \(the rotation prologue"):
+        torch.ops.nsa.quant_cache_store(k.float(), got, slots, 16, True, "ue8m0", FN, 1.0, None, False, h)
+
+
 def test_quant_cache_store_all_padding_writes_nothing():
     cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8)
     before = cache.clone()
@@ -379,6 +398,11 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("head_gate_gemm", 1, torch.zeros(12, 129), r"weight must be .*bfloat16 \[N, K=130\], got .*\[12, 129\]"),
         ("head_gate_gemm", 1, torch.zeros(12, 130).half(), r"weight must be float32 or bfloat16 .* got float16"),
         ("head_gate_gemm", 2, 0, r"splits must be >= 1, got 0"),
+        ("rotate_act_quant", 0, torch.zeros(2, 3, 128), r"x must be bfloat16 \[\.\.\., 128\], got float32 \[2, 3, 128\]"),
+        ("rotate_act_quant", 1, torch.zeros(128, 64), r"rotation must be .* \[128, 128\], got float32 \[128, 64\]"),
+        ("rotate_act_quant", 1, torch.zeros(128, 128).half(), r"rotation must be float32 or bfloat16 .* got float16"),
+        ("rotate_act_quant", 4, 8, r"quant_block must be one of \(16, 32, 64, 128\)"),
+        ("rotate_act_quant", 7, 500.0, r"fp8_max must be in \(0, 448.0\] for torch.float8_e4m3fn, got 500.0"),
     ],
 )
 def test_validation_errors_name_the_tensor(name, index, value, message):

@@ -19,9 +19,10 @@ from hypothesis import given
 
 from hypothesis import strategies as st
 
+from nsa_inductor.indexer import hadamard_matrix
 from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
-    assert_rows_close, assert_topk_valid, eager_topk_rows, head_gate_weight64, paged_logits64, random_cache, random_fp8, random_paged_cache, \
-    ragged_logits64, tie_weights, topk_case
+    assert_fp8_close, assert_rows_close, assert_topk_valid, eager_topk_rows, head_gate_weight64, integer_rows, \
+    paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, tie_weights, topk_case
 from helpers.reference64 import assert_logits_close
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
@@ -250,3 +251,62 @@ def test_head_gate_gemm_strided_operands():
     weight = torch.randn(200, 40, generator=gen).t()
     got = _kernels("head_gate_gemm").head_gate_gemm(x, weight, 3, False)
     assert_rows_close(got, reference.head_gate_gemm(x, weight, 3, False))
+
+
+ROTATIONS = {"hadamard32": lambda: hadamard_matrix(128), "hadamard_bf16": lambda: hadamard_matrix(128).bfloat16(),
+             "hadamard_t_view": lambda: hadamard_matrix(128).t()}
+
+
+@child_only
+@pytest.mark.parametrize("rotation", sorted(ROTATIONS))
+@pytest.mark.parametrize("rows, quant_block, scale, divide, dtype, fmax",
+                         [(1, 128, 128**-0.5, False, FN, 448.0), (17, 32, 128**0.5, True, FN, 448.0),
+                          (40, 128, 1.0, False, FNUZ, 224.0), (0, 64, 0.5, False, FN, 448.0),
+                          (33, 16, 128**-0.5, False, FNUZ, 240.0)])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+def test_rotate_act_quant_matches_reference_exactly_where_sums_are_exact(rotation, rows, quant_block, scale, divide,
+                                                                         dtype, fmax, scale_fmt):
+    """Rows whose +-1 sums are exact in fp32 in any order: the kernel's bytes are the reference's (scale, bf16
+    rounding, groups, row edges, a transposed rotation view, both fp8 types, a clamp below the type's max)."""
+    from nsa_inductor.lowering.rotate_act_quant import reference
+
+    x = integer_rows(rows, torch.Generator().manual_seed(rows)).view(rows, 1, 128)
+    matrix = ROTATIONS[rotation]()
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, matrix, scale, divide, quant_block, scale_fmt, dtype, fmax)
+    want = reference.rotate_act_quant(x, matrix, scale, divide, quant_block, scale_fmt, dtype, fmax)
+    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape == (rows, 1, 128 // quant_block)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+
+
+@child_only
+def test_rotate_act_quant_any_fp32_matrix_within_contract():
+    """A random fp32 matrix enters as bf16 hi + lo (~16 bits): one fp8 step at most, in few values."""
+    from nsa_inductor.lowering.rotate_act_quant import reference
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 128, generator=gen).bfloat16()
+    matrix = torch.randn(128, 128, generator=gen) / 11
+    args = (matrix, 1.0, False, 128, "fp32", FN, 448.0)
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args)
+    assert_fp8_close(got, reference.rotate_act_quant(x, *args), values_frac=1e-2, scales_frac=2e-2)
+
+
+@child_only
+@pytest.mark.parametrize("layout", [(16, False), (16, True)])
+@pytest.mark.parametrize("rotation", sorted(ROTATIONS))
+def test_quant_cache_store_rotation_prologue_matches_reference(layout, rotation):
+    """The store's rotation prologue (then the ``/ sqrt(128)`` epilogue and bf16 rounding), padding slots."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(12)
+    k = integer_rows(21, gen)
+    slots = torch.randperm(64, generator=gen)[:21]
+    slots[3] = -1
+    cache = torch.randint(0, 256, (4, page_size * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    args = ("ue8m0", FN, 128**0.5, torch.bfloat16, True, ROTATIONS[rotation]())
+    reference.quant_cache_store(k, want, slots, page_size, preshuffle, *args)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, page_size, preshuffle, *args)
+    assert torch.equal(cache, want)

@@ -8,19 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import interpreted, round_to_bf16
+from .._triton_common import dot_bf16, interpreted, round_to_bf16, split_bf16
 from .reference import HEAD_GATE_K_ALIGN, head_gate_chunk
-
-
-@triton.jit
-def _dot_bf16(acc, x, w, ON_GPU: tl.constexpr):
-    """``acc + x @ w^T`` for operands whose values are bf16: a bf16 dot on GPUs; under the interpreter (its dot
-    multiplies bf16 tiles as the integers they are stored in) an exact fp32 dot of the same values."""
-    if ON_GPU:
-        acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    else:
-        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return acc
 
 
 @triton.jit
@@ -47,13 +36,13 @@ def _head_gate_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, chunk, stride_xm, str
         x = tl.load(x_rows + kk[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if WEIGHT == "split":
-            hi = (w.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
-            acc = _dot_bf16(acc, x, hi, ON_GPU)
-            acc = _dot_bf16(acc, x, round_to_bf16(w - hi), ON_GPU)
+            hi, lo = split_bf16(w)
+            acc = dot_bf16(acc, x, tl.trans(hi), ON_GPU)
+            acc = dot_bf16(acc, x, tl.trans(lo), ON_GPU)
         elif WEIGHT == "round":
-            acc = _dot_bf16(acc, x, round_to_bf16(w), ON_GPU)
+            acc = dot_bf16(acc, x, tl.trans(round_to_bf16(w)), ON_GPU)
         else:
-            acc = _dot_bf16(acc, x, w, ON_GPU)
+            acc = dot_bf16(acc, x, tl.trans(w), ON_GPU)
     out = out_ptr + split.to(tl.int64) * m * n + rows[:, None].to(tl.int64) * n + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 

@@ -1,7 +1,8 @@
 """``nsa.quant_cache_store``: act_quant of K rows (per-row fp8 + fp32 scale) written into the paged K cache.
 
 The indexer's ``act_quant`` then cache write as one op, so the fp8 values never round-trip through memory. An
-optional epilogue (``input_scale``, ``input_dtype``) folds in the Hadamard rotation's ``(x @ H * 128**-0.5).to(bf16)``.
+optional epilogue (``input_scale``, ``input_dtype``) folds in the Hadamard rotation's ``(y * 128**-0.5).to(bf16)``, an
+optional prologue (``rotation``) the product ``y = k.float() @ H`` itself (then ``k`` is bf16 and aiter is not used).
 """
 
 from __future__ import annotations
@@ -10,21 +11,27 @@ import torch
 
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
-from .._common import INT_TYPES, check, check_devices, check_fp8, check_layout, contiguous, implementation
+from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rotation, contiguous,
+                      implementation)
 
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype) -> None:
+def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
-    check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
+    if rotation is None:
+        check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
+    else:
+        check("k", k, (None, HEAD_DIM), (torch.bfloat16,), "[T, 128] (the rotation prologue multiplies bf16 rows)")
+        check_rotation(rotation)
     if input_dtype is not None and input_dtype not in _ROUNDED_K_DTYPES:
         raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
     check("slot_mapping", slot_mapping, (k.shape[0],), INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
     check_layout(cache, page_size, preshuffle)
-    check_devices(k=k, cache=cache, slot_mapping=slot_mapping)
+    check_devices(k=k, cache=cache, slot_mapping=slot_mapping,
+                  **({} if rotation is None else {"rotation": rotation}))
 
 
 @torch.library.custom_op("nsa::quant_cache_store", mutates_args=("cache",))
@@ -38,18 +45,24 @@ def quant_cache_store(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     input_scale: float = 1.0,
     input_dtype: torch.dtype | None = None,
+    input_divide: bool = False,
+    rotation: torch.Tensor | None = None,
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
-    ``k' = k * input_scale`` in fp32, rounded to ``input_dtype`` when given: the epilogue of the Hadamard rotation
-    (``(x @ H * 128**-0.5).to(bf16)``), which then needs no kernel of its own."""
-    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)
+    ``k' = (k @ rotation) * input_scale`` in fp32 (``/ input_scale`` with ``input_divide``; ``k`` itself without a
+    rotation), rounded to ``input_dtype`` when given: the Hadamard rotation ``(k.float() @ H * 128**-0.5).to(bf16)``,
+    which then needs no kernel of its own. The rotation ([128, 128] fp32 or bf16, any strides) is summed in another
+    order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ."""
+    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
     k, slot_mapping = contiguous(k, slot_mapping)
-    run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle)
-    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype)
+    run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
+                         rotation=rotation is not None)
+    run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
+        rotation)
 
 
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
-      input_dtype=None):
-    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype)
+      input_dtype=None, input_divide=False, rotation=None):
+    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)

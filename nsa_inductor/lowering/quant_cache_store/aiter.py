@@ -13,9 +13,11 @@ from .reference import scaled_input
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
-                      input_dtype=None) -> None:
-    """aiter quantizes the values as given: the input epilogue runs in torch before it."""
+                      input_dtype=None, input_divide=False, rotation=None) -> None:
+    """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a rotation goes
+    to the Triton kernel (``capability.aiter_refusal``); here it would run in torch too."""
     cache_ops().indexer_k_quant_and_cache(
-        scaled_input(k, input_scale, input_dtype), kv_cache(cache, page_size, fp8_dtype), slot_mapping.long(),
+        scaled_input(k, input_scale, input_dtype, input_divide, rotation), kv_cache(cache, page_size, fp8_dtype),
+        slot_mapping.long(),
         QUANT_BLOCK, scale_fmt, **preshuffle_kwarg(preshuffle),
     )

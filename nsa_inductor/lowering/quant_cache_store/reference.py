@@ -10,15 +10,19 @@ from ...quant import QUANT_BLOCK, act_quant
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
-                      input_dtype=None) -> None:
+                      input_dtype=None, input_divide=False, rotation=None) -> None:
     """``act_quant`` each row of ``k'`` and write values + scale into ``cache`` at its slot (negative = skip)."""
-    values, scale = act_quant(scaled_input(k, input_scale, input_dtype), QUANT_BLOCK, scale_fmt, fp8_dtype)
+    k = scaled_input(k, input_scale, input_dtype, input_divide, rotation)
+    values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
     KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))
 
 
-def scaled_input(k: torch.Tensor, input_scale: float, input_dtype: torch.dtype | None) -> torch.Tensor:
-    """``k * input_scale`` in fp32, rounded to ``input_dtype`` when given; ``k`` itself when there is nothing to do."""
-    if input_scale == 1.0 and input_dtype in (None, k.dtype):
+def scaled_input(k: torch.Tensor, input_scale: float, input_dtype: torch.dtype | None, input_divide: bool = False,
+                 rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """``(k.float() @ rotation) * input_scale`` (``/`` with ``input_divide``) in fp32 (eager's fp32 GEMM; no
+    rotation: ``k``), rounded to ``input_dtype`` when given; ``k`` itself when there is nothing to do."""
+    if rotation is None and input_scale == 1.0 and input_dtype in (None, k.dtype):
         return k
-    scaled = k.float() * input_scale
+    product = k.float() if rotation is None else k.float() @ rotation.float()
+    scaled = product / input_scale if input_divide else product * input_scale
     return scaled if input_dtype is None else scaled.to(input_dtype)

@@ -6,40 +6,13 @@ device, also under the Triton interpreter.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from ...quant import AMAX_FLOOR, fp8_max
-from .._triton_common import interpreted, round_to_bf16, scale_offsets, value_offsets
-
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-
-
-@triton.jit
-def _round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr):
-    """Round fp32 ``y`` (already within +-fmax) to the nearest e4m3 value, ties to even, still in fp32.
-
-    The fp8 cast after it is then exact on every backend, so the bytes do not depend on how a backend rounds
-    (the Triton interpreter's own cast truncates and drops carries). e4m3 keeps 3 mantissa bits: the grid step is
-    ``2^(e-3)`` with ``e`` the exponent of ``y``, floored at the smallest normal exponent ``MIN_EXP``
-    (subnormals). Adding and subtracting 1.5 * 2^23 rounds a float below 2^22 to an integer, ties to even.
-    fnuz has no negative zero (its 0x80 is NaN), hence ``SIGNED_ZERO``. The sign comes from ``sign_of`` (the
-    unscaled input: the scale is positive) and is set as a bit: a GPU clamp or negation may turn -0.0 into +0.0.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    sign_negative = sign_of.to(tl.int32, bitcast=True) < 0
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-    if SIGNED_ZERO:
-        negative = sign_negative
-    else:
-        negative = sign_negative & (r > 0.0)
-    return (r.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
+from ...quant import fp8_max
+from .._triton_common import (interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
+                              scale_constants, scale_offsets, scale_rows, value_offsets)
 
 
 @triton.jit
@@ -50,7 +23,14 @@ def _quant_store_kernel(
     values_ptr,
     scales_ptr,
     num_tokens,
-    INPUT_SCALE: tl.constexpr,
+    rot_ptr,
+    stride_rk,
+    stride_rn,
+    ROTATE: tl.constexpr,
+    SPLIT_ROTATION: tl.constexpr,
+    SCALE: tl.constexpr,
+    INV_SCALE: tl.constexpr,
+    DIVIDE: tl.constexpr,
     ROUND_TO: tl.constexpr,
     FMAX: tl.constexpr,
     INV_FMAX: tl.constexpr,
@@ -62,37 +42,25 @@ def _quant_store_kernel(
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """act_quant of BLOCK_T rows of ``k * INPUT_SCALE`` (rounded to ``ROUND_TO``: "bf16", "fp16" or ""), then the
-    fp8 values and fp32 scale of each row go to its slot.
-
-    Bit-identical to the torch reference on the same device: torch on a GPU computes ``amax / fmax`` as
-    ``amax * (1/fmax)`` (scalar divisor) and log2/exp2 with the device math library (libdevice/ocml); on the host
-    (interpreter) it divides exactly. ``x / scale`` is an IEEE division in both.
-    """
+    """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
+    ``ROTATE``: ``rotate_rows``) rounded to ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale
+    of each row go to its slot (bit-identical to the torch reference without a rotation: ``quantize_rows``)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
     x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=0.0)
-    x = x.to(tl.float32)
-    if INPUT_SCALE != 1.0:
-        x = x * INPUT_SCALE
+    if ROTATE:
+        x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
+    else:
+        x = x.to(tl.float32)
+    x = scale_rows(x, SCALE, INV_SCALE, DIVIDE, ON_GPU)
     if ROUND_TO == "bf16":
         x = round_to_bf16(x)
     elif ROUND_TO == "fp16":
         x = x.to(tl.float16).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
-    if ON_GPU:
-        scale = amax * INV_FMAX
-    else:
-        scale = tl.math.div_rn(amax, FMAX)
-    if UE8M0:
-        if ON_GPU:
-            scale = libdevice.exp2(tl.math.ceil(libdevice.log2(scale)))
-        else:
-            scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
-    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-    y = _round_to_fp8_grid(y, x, MIN_EXP, SIGNED_ZERO).to(values_ptr.dtype.element_ty)
+    y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, ON_GPU)
+    y = y.to(values_ptr.dtype.element_ty)
     keep = slot >= 0
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
@@ -105,13 +73,14 @@ _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
-                      input_dtype=None, block_t: int = 4):
-    """One launch: quantize ``k [T,128]`` (after the input epilogue) and store it into ``cache`` at
-    ``slot_mapping`` (negative = padding)."""
+                      input_dtype=None, input_divide=False, rotation=None, block_t: int | None = None):
+    """One launch: quantize ``k [T,128]`` (after the rotation prologue and the input epilogue) and store it into
+    ``cache`` at ``slot_mapping`` (negative = padding). A rotation is a ``tl.dot``, which needs 16 rows a program."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    fmax = fp8_max(fp8_dtype)
+    block_t = block_t or (4 if rotation is None else 16)
+    rot = k if rotation is None else rotation  # any pointer: not read without a rotation
     kernel = _quant_store_kernel
     kernel[(triton.cdiv(num_tokens, block_t),)](
         k,
@@ -120,15 +89,15 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         cache.view(fp8_dtype),
         cache.view(torch.float32),
         num_tokens,
-        INPUT_SCALE=float(input_scale),
+        rot,
+        *(rot.stride() if rotation is not None else (0, 0)),
+        ROTATE=rotation is not None,
+        SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
+        **scale_constants(input_scale, input_divide),
         ROUND_TO=_ROUND_TO[input_dtype],
-        FMAX=fmax,
-        INV_FMAX=float(np.float32(1.0) / np.float32(fmax)),
-        UE8M0=scale_fmt == "ue8m0",
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
-        MIN_EXP=1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
-        SIGNED_ZERO=fp8_dtype == torch.float8_e4m3fn,
+        **quantize_constants(fp8_dtype, fp8_max(fp8_dtype), scale_fmt),
         ON_GPU=not interpreted(kernel),
         BLOCK_T=block_t,
         num_warps=4,

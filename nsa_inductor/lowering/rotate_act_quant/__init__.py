@@ -1,0 +1,59 @@
+"""``nsa.rotate_act_quant``: the indexer's Hadamard rotation and the act_quant after it, as one op.
+
+``y = ((x.float() @ rotation) * scale).to(bf16)`` (``/ scale`` with ``divide``; eager's ``rotate_activation``),
+then ``act_quant(y)``: fp8 values and one fp32 scale per ``quant_block`` group. The Triton kernel multiplies a
+tile of rows by the rotation with ``tl.dot`` (an fp32 rotation split into bf16 hi + lo in registers, so any static
+128x128 matrix is applied to ~16 bits and a +-1 Hadamard exactly), so neither the fp32 GEMM output nor the bf16
+rotated rows reach memory. The
+products are summed in another order than cuBLAS: docs/numerics.md states which bytes may differ. aiter has no
+kernel for it: Triton on GPUs, the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layout import HEAD_DIM
+from ...quant import ROTATED_QUANT_BLOCKS, check_scale_fmt, fp8_max as dtype_fp8_max
+from .._common import check, check_devices, check_fp8, check_rotation, contiguous, describe, triton_or_reference
+
+
+def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max) -> None:
+    check_scale_fmt(scale_fmt)
+    check_fp8("fp8_dtype", fp8_dtype)
+    if x.dim() < 1:
+        raise ValueError(f"x must be bfloat16 [..., 128], got {describe(x)}")
+    check("x", x, (None,) * (x.dim() - 1) + (HEAD_DIM,), (torch.bfloat16,), "[..., 128]")
+    check_rotation(rotation)
+    if quant_block not in ROTATED_QUANT_BLOCKS:
+        raise ValueError(f"quant_block must be one of {ROTATED_QUANT_BLOCKS} (groups of the 128 rotated values), got "
+                         f"{quant_block}")
+    if not 0 < fp8_max <= dtype_fp8_max(fp8_dtype):
+        raise ValueError(f"fp8_max must be in (0, {dtype_fp8_max(fp8_dtype)}] for {fp8_dtype}, got {fp8_max}")
+    if not scale == scale or scale in (float("inf"), float("-inf")) or divide and scale == 0:
+        raise ValueError(f"scale must be a finite float (nonzero with divide), got {scale}")
+    check_devices(x=x, rotation=rotation)
+
+
+def _scale_shape(x: torch.Tensor, quant_block: int) -> list:
+    return [*x.shape[:-1], HEAD_DIM // quant_block]
+
+
+@torch.library.custom_op("nsa::rotate_act_quant", mutates_args=())
+def rotate_act_quant(x: torch.Tensor, rotation: torch.Tensor, scale: float, divide: bool, quant_block: int,
+                     scale_fmt: str, fp8_dtype: torch.dtype, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act_quant(((x.float() @ rotation) * scale).to(bf16))`` (``/ scale`` with ``divide``): ``(values fp8
+    [..., 128], scale fp32 [..., 128 // quant_block])``, values clamped to ``fp8_max`` (the type's own max or less:
+    224 for fnuz q in SGLang).
+
+    ``x``: bf16 ``[..., 128]``; ``rotation``: ``[128, 128]`` fp32 or bf16, any strides."""
+    _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max)
+    (x,) = contiguous(x)
+    run = triton_or_reference("rotate_act_quant", x.device, fp8_dtype)
+    return run(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max)
+
+
+@rotate_act_quant.register_fake
+def _(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max):
+    _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max)
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty(_scale_shape(x, quant_block), dtype=torch.float32)

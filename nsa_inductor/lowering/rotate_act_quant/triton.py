@@ -1,0 +1,63 @@
+"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_common import (interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
+                              scale_constants, scale_rows)
+
+
+@triton.jit
+def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, stride_rk, stride_rn,
+                             SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr,
+                             SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+                             FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
+                             SIGNED_ZERO: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``y = bf16((x @ R) * SCALE)`` for BLOCK_M rows (``rotate_rows``: fp32 accumulation, then the scale in fp32
+    as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
+    group of ``y`` (``quantize_rows``)."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, 128)
+    in_range = r < rows
+    offsets = r[:, None].to(tl.int64) * 128 + d[None, :]
+    x = tl.load(x_ptr + offsets, mask=in_range[:, None], other=0.0)
+    y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
+    y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
+    groups: tl.constexpr = 128 // QUANT_BLOCK
+    values, scale = quantize_rows(tl.reshape(y, [BLOCK_M * groups, QUANT_BLOCK]), FMAX, INV_FMAX, UE8M0, MIN_EXP,
+                                  SIGNED_ZERO, ON_GPU)
+    tl.store(values_ptr + offsets, tl.reshape(values, [BLOCK_M, 128]).to(values_ptr.dtype.element_ty),
+             mask=in_range[:, None])
+    if groups == 1:
+        tl.store(scales_ptr + r, scale, mask=in_range)
+    else:
+        g = tl.arange(0, groups)
+        tl.store(scales_ptr + r[:, None].to(tl.int64) * groups + g[None, :], tl.reshape(scale, [BLOCK_M, groups]),
+                 mask=in_range[:, None])
+
+
+def block_rows(rows: int) -> int:
+    """Rows per program: ``tl.dot`` needs 16; decode (a few thousand rows) wants about one program per SM."""
+    return 16 if rows <= 1024 else 32
+
+
+def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max,
+                     block_m: int | None = None):
+    """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x``: one launch."""
+    values = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(*x.shape[:-1], 128 // quant_block, dtype=torch.float32, device=x.device)
+    rows = x.numel() // 128
+    if rows == 0:
+        return values, scales
+    block_m = block_m or block_rows(rows)
+    kernel = _rotate_act_quant_kernel
+    kernel[(triton.cdiv(rows, block_m),)](
+        x, rotation, values, scales, rows, *rotation.stride(), **scale_constants(scale, divide),
+        SPLIT_ROTATION=rotation.dtype == torch.float32, QUANT_BLOCK=quant_block,
+        **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt), ON_GPU=not interpreted(kernel), BLOCK_M=block_m,
+        num_warps=4,
+    )
+    return values, scales
