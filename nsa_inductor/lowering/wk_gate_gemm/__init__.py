@@ -3,60 +3,16 @@ split-K partials: the head gate ``x @ gate_weight^T`` (fp32 weight as bf16 hi + 
 and the K projection ``x @ k_weight^T`` (bf16 weight). The caller sums each set of partials (pointwise adds that
 Inductor fuses into the consumers) and rounds the K sum to bf16 as the bf16 GEMM it replaces does.
 
-``TILINGS`` is the one table to tune (``benchmarks/kernels.py --only xgemm`` sweeps it): per row bucket, the split
-counts the pass bakes into the graph and the tiles the launcher uses. aiter has no kernel for it: Triton on GPUs,
-the reference elsewhere.
+The split counts are the caller's (the pass bakes them into the graph: ``SPLITS`` in patterns/wk_gate_gemm.py), the
+tiles the launcher's (``CONFIGS`` in triton.py); ``benchmarks/kernels.py --only xgemm`` sweeps both. aiter has no
+kernel for it: Triton on GPUs, the reference elsewhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .._common import check, check_devices, describe, triton_or_reference
-
-
-@dataclass(frozen=True)
-class WkGateTiling:
-    """How ``nsa.wk_gate_gemm`` cuts the work for up to ``max_rows`` rows of x.
-
-    ``gate_splits`` / ``k_splits``: K chunks of each product (chosen by the pass at compile time: each partial is one
-    more read in the kernel that consumes the sum, and the gate's consumer also computes the q scales).
-    ``block_m`` x ``gate_block_n`` / ``k_block_n``: the output tile of one program; ``block_k``: columns of K per
-    loop step. Each program computes one tile of one chunk of one product; x is read from HBM once and from L2 by
-    each column tile.
-    """
-
-    max_rows: int
-    gate_splits: int
-    k_splits: int
-    block_m: int
-    gate_block_n: int
-    k_block_n: int
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-# DeepSeek-V3.2 on an H200 (K = 7168, gate [64, K] fp32, wk [128, K] bf16): decode needs ~100 programs to pull the
-# 3.6 MB of weights at speed. Starting points for the GPU sweep, not measured optima.
-TILINGS = (
-    WkGateTiling(16, gate_splits=8, k_splits=16, block_m=16, gate_block_n=16, k_block_n=32),
-    WkGateTiling(64, gate_splits=8, k_splits=16, block_m=64, gate_block_n=16, k_block_n=32, num_stages=3),
-    WkGateTiling(512, gate_splits=4, k_splits=8, block_m=64, gate_block_n=32, k_block_n=64, num_stages=3),
-    WkGateTiling(1 << 62, gate_splits=2, k_splits=2, block_m=128, gate_block_n=64, k_block_n=64, num_warps=8,
-                 num_stages=3),
-)
-
-
-def tiling_for(rows: int | None) -> WkGateTiling:
-    """The first bucket holding ``rows``; ``None`` (a symbolic token count, e.g. dynamic prefill) takes the last."""
-    if rows is not None:
-        for tiling in TILINGS:
-            if rows <= tiling.max_rows:
-                return tiling
-    return TILINGS[-1]
 
 
 def _validate(x, gate_weight, k_weight, gate_splits, k_splits, round_weight) -> None:

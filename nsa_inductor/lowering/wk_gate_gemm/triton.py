@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -9,7 +11,37 @@ import triton.language as tl
 from .._triton_common import interpreted
 from ..head_gate_gemm.reference import head_gate_chunk
 from ..head_gate_gemm.triton import split_k_tile, weight_mode
-from . import WkGateTiling, tiling_for
+
+
+@dataclass(frozen=True)
+class WkGateConfig:
+    """Tiles of ``nsa.wk_gate_gemm`` for up to ``max_rows`` rows of x: a ``block_m`` x ``gate_block_n`` (gate) or
+    ``block_m`` x ``k_block_n`` (K projection) output tile of one K chunk per program, ``block_k`` columns of K per
+    loop step."""
+
+    max_rows: int
+    block_m: int
+    gate_block_n: int
+    k_block_n: int
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# DeepSeek-V3.2 on an H200 (K = 7168, gate [64, K] fp32, wk [128, K] bf16): decode is bound by load latency and
+# needs ~100 programs to pull the 3.6 MB of weights at speed. Starting points for the GPU sweep
+# (``benchmarks/kernels.py --only xgemm``), not measured optima.
+CONFIGS = (
+    WkGateConfig(16, block_m=16, gate_block_n=16, k_block_n=32),
+    WkGateConfig(64, block_m=64, gate_block_n=16, k_block_n=32, num_stages=3),
+    WkGateConfig(512, block_m=64, gate_block_n=32, k_block_n=64, num_stages=3),
+    WkGateConfig(1 << 62, block_m=128, gate_block_n=64, k_block_n=64, num_warps=8, num_stages=3),
+)
+
+
+def config_for(rows: int) -> WkGateConfig:
+    """The first bucket of ``CONFIGS`` holding ``rows``."""
+    return next(c for c in CONFIGS if rows <= c.max_rows)
 
 
 @triton.jit
@@ -33,10 +65,9 @@ def _wk_gate_gemm_kernel(x_ptr, gate_w_ptr, k_w_ptr, gate_out_ptr, k_out_ptr, m,
 
 
 def wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, out=None,
-                 tiling: WkGateTiling | None = None):
+                 config: WkGateConfig | None = None):
     """``(gate partials, k partials)`` as the reference computes them, every element written (empty chunks as
-    zeros). Any strides (frozen weights arrive as transposed views). ``tiling``: default ``tiling_for(M)``; its
-    split counts are ignored (the arguments decide, as the graph was built with them)."""
+    zeros). Any strides (frozen weights arrive as transposed views). ``config``: default ``config_for(M)``."""
     rows, k = x.shape
     gate_n, k_n = gate_weight.shape[0], k_weight.shape[0]
     if out is None:
@@ -44,7 +75,7 @@ def wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, 
                torch.empty(k_splits, rows, k_n, dtype=torch.float32, device=x.device))
     if rows == 0 or gate_n == 0 and k_n == 0:
         return out
-    cfg = tiling or tiling_for(rows)
+    cfg = config or config_for(rows)
     gate_programs = triton.cdiv(gate_n, cfg.gate_block_n) * gate_splits
     k_programs = triton.cdiv(k_n, cfg.k_block_n) * k_splits
     grid = (triton.cdiv(rows, cfg.block_m), gate_programs + k_programs)
