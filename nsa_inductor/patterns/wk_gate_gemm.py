@@ -164,35 +164,34 @@ class WkGateGemm(GraphPass):
 
     def _k_projection(self, graph: torch.fx.Graph, x: torch.fx.Node, static) -> torch.fx.Node:
         """The one bf16 GEMM of this x (any views of its value) with a parameter weight whose output reaches the
-        K-cache store. Near misses: the same x with another weight or output, another x feeding the store."""
+        K-cache store. Near misses: a GEMM of this x with another weight or output; else a GEMM of another x that
+        feeds the store."""
         root, _ = view_chain(x)
         k = tensor_val(x).shape[1]
-        found, reasons = [], []
+        found, same_x, other_x = [], [], []
         for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
             a = mm.args[0]
             ta = tensor_val(a)
             if ta is None or ta.dtype != torch.bfloat16 or ta.dim() != 2 or tensor_val(mm).dtype != torch.bfloat16:
                 continue
-            same_x = view_chain(a)[0] is root and same_shape(a, x)
-            stores = _reaches_k_cache(mm)
-            if not same_x:
-                if stores and transposed_weight(mm.args[1]) is not None and ta.shape[1] == k:
-                    reasons.append(f"{describe(mm)} feeds the K cache but reads {describe(a)}, not the gate's "
+            if view_chain(a)[0] is not root or not same_shape(a, x):
+                if ta.shape[1] == k and transposed_weight(mm.args[1]) is not None and _reaches_k_cache(mm):
+                    other_x.append(f"{describe(mm)} feeds the K cache but reads {describe(a)}, not the gate's "
                                    f"activation {describe(x)}")
                 continue
             try:
                 _bf16_linear(mm, static)
-                if not stores:
-                    raise NearMiss(f"the output of {describe(mm)} never reaches the K-cache store: its summation order "
-                                   "may change only where it serves the indexer")
+                if not _reaches_k_cache(mm):
+                    raise NearMiss(f"the output of {describe(mm)} never reaches the K-cache store: its summation "
+                                   "order may change only where it serves the indexer")
             except NearMiss as miss:
-                reasons.append(str(miss))
+                same_x.append(str(miss))
                 continue
             found.append(mm)
         if len(found) > 1:
             raise NearMiss(f"several bf16 projections of {describe(x)} feed the K cache: "
                            f"{', '.join(map(describe, found))}")
         if not found:
-            raise NearMiss("no K projection to share the launch: " + ("; ".join(reasons) or
-                                                                      f"no bf16 GEMM of {describe(x)} feeds the K cache"))
+            reasons = same_x or other_x or [f"no bf16 GEMM of {describe(x)} feeds the K cache"]
+            raise NearMiss("no K projection to share the launch: " + "; ".join(reasons))
         return found[0]
