@@ -169,6 +169,8 @@ def small_inputs() -> dict[str, tuple]:
                          torch.tensor([0, 1, 2, 3])),
         "head_gate_gemm": (torch.randn(5, 130, generator=gen).bfloat16(), torch.randn(12, 130, generator=gen), 3,
                            False),
+        "wk_gate_gemm": (torch.randn(5, 130, generator=gen).bfloat16(), torch.randn(12, 130, generator=gen),
+                         torch.randn(20, 130, generator=gen).bfloat16(), 3, 2, False),
     }
 
 

@@ -256,11 +256,11 @@ def test_head_gate_gemm_strided_operands():
 @pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
 @pytest.mark.parametrize("rows, gate_n, k_n, k, splits", [(1, 24, 40, 200, (4, 3)), (0, 16, 32, 128, (2, 2)),
                                                           (17, 33, 20, 130, (3, 5)), (5, 16, 48, 65, (1, 4))])
-@pytest.mark.parametrize("tiling", [None, (16, 32, 16, 128, 4, 2)])
-def test_wk_gate_gemm_matches_reference(rows, gate_n, k_n, k, splits, mode, tiling):
+@pytest.mark.parametrize("config", [None, (16, 32, 16, 128, 4, 2)])
+def test_wk_gate_gemm_matches_reference(rows, gate_n, k_n, k, splits, mode, config):
     """Both products of one launch: M = 1 and odd M, N and K tails, chunks past K (zeros), different split counts
     per product, every element of both outputs written (NaN-poisoned); the default tiling and a wider one."""
-    from nsa_inductor.lowering.wk_gate_gemm import WkGateTiling, reference
+    from nsa_inductor.lowering.wk_gate_gemm import reference
 
     tk = _kernels("wk_gate_gemm")
     dtype, round_weight = WEIGHT_MODES[mode]
@@ -269,8 +269,8 @@ def test_wk_gate_gemm_matches_reference(rows, gate_n, k_n, k, splits, mode, tili
     gate_weight = (torch.randn(gate_n, k, generator=gen) * torch.logspace(-2, 2, gate_n)[:, None]).to(dtype)
     k_weight = torch.randn(k_n, k, generator=gen).bfloat16()
     out = (torch.full((splits[0], rows, gate_n), float("nan")), torch.full((splits[1], rows, k_n), float("nan")))
-    cfg = tiling and WkGateTiling(1 << 20, 1, 1, tiling[0], tiling[1], tiling[2], tiling[3], tiling[4], tiling[5])
-    got = tk.wk_gate_gemm(x, gate_weight, k_weight, *splits, round_weight, out=out, tiling=cfg)
+    got = tk.wk_gate_gemm(x, gate_weight, k_weight, *splits, round_weight, out=out,
+                          config=config and tk.WkGateConfig(1 << 20, *config))
     want = reference.wk_gate_gemm(x, gate_weight, k_weight, *splits, round_weight)
     for g, w in zip(got, want):
         assert_rows_close(g, w)
