@@ -5,7 +5,7 @@
 The reference indexer at DeepSeek-V3.2 sizes (paged layout, P = 64), compiled with nsa_rocm twice: as is, and with
 ``nsa.disable_passes=["wk_gate_gemm"]`` (the control: eager's bytes). A prefill stores every token's K and scores
 its logits from the cache; a decode step stores one token per sequence into a cache filled beforehand. Printed per
-case: K-cache difference (``nsa_inductor.workload.k_cache_difference``), logits relative error (norm-wise over the
+case: the difference of the K-cache slots the step wrote (``nsa_inductor.workload.k_cache_difference``), logits relative error (norm-wise over the
 finite entries) and -inf masks against eager, and top-k recall (the fraction of eager's top-k indices found).
 """
 
@@ -25,7 +25,7 @@ from nsa_inductor.pass_manager import last_reports  # noqa: E402
 from nsa_inductor.workload import decode_batch, k_cache_difference, prefill_batch  # noqa: E402
 
 
-def compare(eager_out, out, eager_cache, cache, layout) -> dict:
+def compare(eager_out, out, eager_cache, cache, layout, slots) -> dict:
     (logits, topk), (c_logits, c_topk) = eager_out, out
     finite = ~logits.isneginf()
     e, a = logits.double()[finite], c_logits.double()[finite]
@@ -34,7 +34,7 @@ def compare(eager_out, out, eager_cache, cache, layout) -> dict:
         s_e = {i for i in r_e if i >= 0}
         found += len(s_e & set(r_c))
         total += len(s_e)
-    return {**k_cache_difference(layout, eager_cache.cpu(), cache.cpu()),
+    return {**k_cache_difference(layout, eager_cache, cache, slots=slots),
             "logits_rel_err": float((a - e).norm() / e.norm()),
             "masks_equal": bool(torch.equal(logits.isneginf(), c_logits.isneginf())),
             "topk_recall": found / max(total, 1)}
@@ -67,7 +67,7 @@ def main() -> None:
                 comp = batch.clone()
                 out = fn(*comp.args)
                 fired = sum(p["matched"] for r in last_reports()[-1:] for p in r["passes"] if p["name"] == "wk_gate_gemm")
-                print(entry, name, f"fired={fired}", compare(eager_out, out, eager.kv_cache, comp.kv_cache, layout),
+                print(entry, name, f"fired={fired}", compare(eager_out, out, eager.kv_cache, comp.kv_cache, layout, batch.slot_mapping),
                       flush=True)
 
 

@@ -1,4 +1,5 @@
-"""The reference indexer compiled with nsa_rocm equals eager: cache bytes bit-exact, logits, masks, top-k sets."""
+"""The reference indexer compiled with nsa_rocm equals eager: cache bytes (bit-exact up to the documented bound of
+wk_gate_gemm's summation order), logits, masks, top-k sets."""
 
 import functools
 import json
@@ -12,7 +13,7 @@ from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, static_cache
-from helpers.pass_helpers import assert_matches_eager
+from helpers.pass_helpers import assert_k_cache_matches, assert_matches_eager
 from helpers.reference64 import assert_logits_close
 
 
@@ -38,11 +39,11 @@ def test_compiled_equals_eager(config_name, layout_name, entry):
 # Every pass fires where its idiom is. Prefill has no full(-inf) left for empty_logits_buffer: Inductor already drops
 # a slice write that covers the whole buffer.
 EXPECTED_MATCHES = {
-    "decode": {"rope_copy_elision": 1, "quant_cache_store": 1, "head_gate_gemm": 1, "paged_mqa_logits": 1,
-               "ragged_mqa_logits": 0, "empty_logits_buffer": 1, "topk_indices": 1,
+    "decode": {"rope_copy_elision": 1, "quant_cache_store": 1, "head_gate_gemm": 1, "wk_gate_gemm": 1,
+               "paged_mqa_logits": 1, "ragged_mqa_logits": 0, "empty_logits_buffer": 1, "topk_indices": 1,
                "searchsorted_offset": 0},
-    "prefill": {"rope_copy_elision": 1, "quant_cache_store": 1, "head_gate_gemm": 1, "paged_mqa_logits": 0,
-                "ragged_mqa_logits": 1, "empty_logits_buffer": 0, "topk_indices": 1,
+    "prefill": {"rope_copy_elision": 1, "quant_cache_store": 1, "head_gate_gemm": 1, "wk_gate_gemm": 1,
+                "paged_mqa_logits": 0, "ragged_mqa_logits": 1, "empty_logits_buffer": 0, "topk_indices": 1,
                 "searchsorted_offset": 2},
 }
 
@@ -78,7 +79,8 @@ def compiled_gpu(config_name: str, layout_name: str, entry: str):
 @pytest.mark.parametrize("layout_name", sorted(GPU_LAYOUTS))
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
-    """Real model sizes, the Triton kernels: the same guarantees as on the CPU, and every pass fires."""
+    """Real model sizes, the Triton kernels: the same guarantees as on the CPU, and every pass fires (the K cache:
+    eager's bytes up to the bound of wk_gate_gemm's summation order, which cuBLAS and the Triton kernel differ in)."""
     config, layout, eager_fn, compiled_fn, dump_dir = compiled_gpu(config_name, layout_name, entry)
     if entry == "decode":
         pages = 8192 // layout.page_size
@@ -94,7 +96,7 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
             eager, comp = batch.clone(), static_cache(batch.clone())
             logits, topk = eager_fn(*eager.args)
             c_logits, c_topk = compiled_fn(*comp.args)
-            assert torch.equal(eager.kv_cache, comp.kv_cache), "K-cache bytes differ"
+            assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping, layout)
             assert_logits_close(c_logits, logits)
             same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(topk.cpu(), c_topk.cpu()))
             assert same >= 0.99 * topk.shape[0], f"top-k sets differ in {topk.shape[0] - same} rows"
