@@ -178,9 +178,9 @@ XGEMM_ROWS = (1, 4, 8, 64, 256, 4096)
 # (gate_splits, k_splits) tried besides the pass's choice; the gate's stay <= 11 (its consumer's read budget).
 XGEMM_SPLITS = ((2, 2), (4, 4), (4, 8), (8, 8), (8, 16), (11, 22))
 # (block_m, gate_block_n, k_block_n, block_k, num_warps, num_stages) tried besides the launcher's choice.
-XGEMM_TILES = ((16, 16, 16, 64, 4, 4), (16, 16, 32, 64, 4, 4), (16, 16, 32, 128, 4, 3), (16, 32, 64, 64, 4, 4),
-               (32, 16, 32, 64, 4, 3), (64, 16, 32, 64, 4, 3), (64, 32, 64, 64, 4, 3), (64, 16, 32, 128, 8, 3),
-               (128, 64, 64, 64, 8, 3))
+XGEMM_TILES = ((16, 16, 16, 64, 4, 4), (16, 16, 32, 64, 4, 4), (16, 16, 32, 128, 4, 3), (16, 16, 32, 256, 4, 2),
+               (16, 32, 64, 128, 4, 3), (32, 16, 32, 128, 4, 3), (64, 16, 32, 64, 4, 3), (64, 16, 32, 128, 4, 3),
+               (64, 16, 32, 256, 8, 2), (64, 32, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3))
 
 
 def bench_xgemm(args, rows: list[dict]) -> None:
