@@ -76,13 +76,14 @@ def _gate_sum(gate: torch.fx.Node) -> torch.fx.Node:
 
 
 def _cache_write(node: torch.fx.Node) -> bool:
-    """``node`` writes the uint8 K cache: ``nsa.quant_cache_store``, or an ``index_put`` into a view of a uint8
-    graph input (the eager store of ``KCacheLayout.store``, which writes the cache as int32 words)."""
+    """``node`` writes the uint8 K cache: ``nsa.quant_cache_store``, or an ``index_put`` into a view or slice of a
+    uint8 graph input (eager stores: ``KCacheLayout.store`` writes the cache as int32 words, others index the value
+    and scale parts of its pages)."""
     if quantized_by_store(node):
         return True
     if not is_op(node, aten.index_put.default, aten.index_put_.default):
         return False
-    root, _ = view_chain(node.args[0], (*VIEW_OPS, aten.view.dtype))
+    root, _ = view_chain(node.args[0], (*VIEW_OPS, aten.view.dtype, aten.slice.Tensor))
     t = tensor_val(root)
     return root.op == "placeholder" and t is not None and t.dtype == torch.uint8
 
