@@ -5,6 +5,7 @@ bounds asserted here are docs/numerics.md's (section "K projection and head gate
 """
 
 import functools
+import re
 import sys
 
 import pytest
@@ -158,6 +159,45 @@ def test_pairs_fire_and_near_misses(tokens):
     assert torch.equal(expected[1], actual[1]), "a projection the pass left alone"
     k, k_c = eager_cache.view(torch.bfloat16).float(), comp_cache.view(torch.bfloat16).float()
     torch.testing.assert_close(k_c, k, rtol=2**-7, atol=2**-7)  # one bf16 ulp: the sum order may differ
+
+
+class KAndGate(nn.Module):
+    """The indexer's two projections of x alone: K through LayerNorm into a byte cache, the gate scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(K, GATES, bias=False)
+        self.wk = nn.Linear(K, D, bias=False, dtype=torch.bfloat16)
+        self.norm = nn.LayerNorm(D)
+        self.requires_grad_(False)
+
+    def forward(self, x, cache, slots, q_scale):
+        cache[slots] = self.norm(self.wk(x).float()).to(torch.bfloat16).view(torch.uint8)
+        return F.linear(x.float(), self.gate.weight) * q_scale
+
+
+def test_dynamic_rows_take_the_last_split_row():
+    """A symbolic token count reaches the op as is; the splits are ``SPLITS``' last row (capped by K / 128)."""
+    from nsa_inductor.patterns.wk_gate_gemm import splits_for
+
+    torch.manual_seed(0)
+    module = KAndGate()
+    compiled_fn, dump_dir = compile_with_dumps(module, {}, dynamic=True)
+    for tokens in (5, 9):
+        gen = torch.Generator().manual_seed(tokens)
+        x, q_scale = torch.randn(tokens, K, generator=gen).bfloat16(), torch.rand(tokens, GATES, generator=gen)
+        cache, slots = torch.zeros(16, 2 * D, dtype=torch.uint8), torch.randperm(16, generator=gen)[:tokens]
+        eager_cache, comp_cache = cache.clone(), cache.clone()
+        with torch.no_grad():
+            expected, actual = module(x, eager_cache, slots, q_scale), compiled_fn(x, comp_cache, slots, q_scale)
+        assert float((actual - expected).double().norm() / expected.double().norm()) <= 1e-5
+        k, k_c = eager_cache.view(torch.bfloat16).float(), comp_cache.view(torch.bfloat16).float()
+        torch.testing.assert_close(k_c, k, rtol=2**-7, atol=2**-7)
+    splits = splits_for(None, K)
+    for graph_dir in graph_dirs(dump_dir):
+        assert pass_entry(graph_dir, "wk_gate_gemm")["matched"] == 1
+        _, after = pass_graphs(graph_dir, "wk_gate_gemm")
+        assert re.search(rf"nsa\.wk_gate_gemm\.default\(\w+, \w+, \w+, {splits[0]}, {splits[1]}, False\)", after), after
 
 
 if __name__ == "__main__":
