@@ -206,8 +206,9 @@ def bench_xgemm(args, rows: list[dict]) -> None:
         candidates += [((e[6], e[7]), tk.WkGateConfig(tokens, *e[:6])) for e in extra]
         results = {}
         for splits, cfg in dict.fromkeys(candidates):
-            fn = lambda splits=splits, cfg=cfg: tk.wk_gate_gemm(x, gate_weight, k_weight, *splits, False, config=cfg)  # noqa: E731
-            results[(splits, cfg)] = _bench(fn, True)
+            results[(splits, cfg)] = _bench(
+                lambda splits=splits, cfg=cfg: tk.wk_gate_gemm(x, gate_weight, k_weight, *splits, False, config=cfg),
+                True)
         best = min(results, key=results.get)
         torch_us = None if args.no_torch else _bench(
             lambda: (F.linear(x, k_weight), F.linear(x.float(), gate_weight)), True)

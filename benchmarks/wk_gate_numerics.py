@@ -5,8 +5,9 @@
 The reference indexer at DeepSeek-V3.2 sizes (paged layout, P = 64), compiled with nsa_rocm twice: as is, and with
 ``nsa.disable_passes=["wk_gate_gemm"]`` (the control: eager's bytes). A prefill stores every token's K and scores
 its logits from the cache; a decode step stores one token per sequence into a cache filled beforehand. Printed per
-case: the difference of the K-cache slots the step wrote (``nsa_inductor.workload.k_cache_difference``), logits relative error (norm-wise over the
-finite entries) and -inf masks against eager, and top-k recall (the fraction of eager's top-k indices found).
+case: the difference of the K-cache slots the step wrote (``nsa_inductor.workload.k_cache_difference``), logits
+relative error (norm-wise over the finite entries) and -inf masks against eager, and top-k recall (the fraction of
+eager's top-k indices found).
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def main() -> None:
                 fn = torch.compile(getattr(model, entry), backend="nsa_rocm", options={**options, **extra})
                 comp = batch.clone()
                 out = fn(*comp.args)
-                fired = sum(p["matched"] for r in last_reports()[-1:] for p in r["passes"] if p["name"] == "wk_gate_gemm")
-                print(entry, name, f"fired={fired}", compare(eager_out, out, eager.kv_cache, comp.kv_cache, layout, batch.slot_mapping),
-                      flush=True)
+                fired = sum(p["matched"] for p in last_reports()[-1]["passes"] if p["name"] == "wk_gate_gemm")
+                diff = compare(eager_out, out, eager.kv_cache, comp.kv_cache, layout, batch.slot_mapping)
+                print(entry, name, f"fired={fired}", diff, flush=True)
 
 
 if __name__ == "__main__":

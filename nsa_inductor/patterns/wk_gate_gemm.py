@@ -8,8 +8,8 @@ Matches, after ``head_gate_gemm`` has fired (post-grad form after the arrow)::
 
 where both GEMMs read the same x (one value, any views) and Wk is a bf16 parameter [N <= 256, K].
 Rewrites to ``g, k = nsa.wk_gate_gemm(x, W32, Wk, gate_splits, k_splits, r)``: the gate's sum as before (over
-``g``), and ``convert(k[0] + k[1] + ..., bf16)`` in place of the bf16 GEMM. The split counts come from ``SPLITS`` for the
-static token count.
+``g``), and ``convert(k[0] + k[1] + ..., bf16)`` in place of the bf16 GEMM. The split counts come from ``SPLITS``
+for the static token count.
 
 The K values change only in summation order (fp32 partial sums rounded once to bf16, as cuBLAS rounds its fp32
 accumulator), so a few cache bytes may differ from eager. Following the rule for numerics-changing passes, it fires
@@ -33,8 +33,8 @@ from .head_gate_gemm import (DOWNSTREAM_LIMIT, check_parameter_weight, quantized
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-# Split counts (gate, K projection) per bucket of token counts M (largest M of the bucket first; a symbolic M
-# takes the last row): each partial is one more read in the kernel that consumes its sum. The gate's consumer is the
+# Rows (largest token count M of the bucket, gate splits, K-projection splits); a symbolic M takes the last row.
+# Each partial is one more read in the kernel that consumes its sum. The gate's consumer is the
 # q act_quant kernel (the scale chain reads the partials and q's amax): past Inductor's realize_acc_reads_threshold
 # (12 under the backend) the sum would be stored by a kernel of its own. The K sum feeds the `.float()` before
 # LayerNorm. Tune with `benchmarks/kernels.py --only xgemm` (it reads this table).
