@@ -211,6 +211,61 @@ def bench_rotate(args, rows: list[dict]) -> None:
                                    f"k M={tokens} (vs cuBLAS GEMM + store epilogue)", us, unfused, nbytes))
 
 
+XGEMM_ROWS = (1, 4, 8, 64, 256, 4096)
+# (gate_splits, k_splits) tried besides the pass's choice; the gate's stay <= 11 (its consumer's read budget).
+XGEMM_SPLITS = ((2, 2), (4, 4), (4, 8), (8, 8), (8, 16), (11, 22))
+# (block_m, gate_block_n, k_block_n, block_k, num_warps, num_stages) tried besides the launcher's choice.
+XGEMM_TILES = ((16, 16, 16, 64, 4, 4), (16, 16, 32, 64, 4, 4), (16, 16, 32, 128, 4, 3), (16, 16, 32, 256, 4, 2),
+               (16, 32, 64, 128, 4, 3), (32, 16, 32, 128, 4, 3), (64, 16, 32, 64, 4, 3), (64, 16, 32, 128, 4, 3),
+               (64, 16, 32, 256, 8, 2), (64, 32, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3))
+
+
+def bench_xgemm(args, rows: list[dict]) -> None:
+    """wk (x [M, 7168] bf16 @ [128, 7168] bf16) and weights_proj ([64, 7168] fp32, split hi/lo) in one
+    ``nsa.wk_gate_gemm`` launch, against cuBLAS ``F.linear(x, wk)`` + eager's ``F.linear(x.float(), W)`` and against
+    today's pair (cuBLAS wk + ``nsa.head_gate_gemm``), same run. Sweeps split counts (``SPLITS`` in
+    patterns/wk_gate_gemm.py) and tiles (``CONFIGS`` in lowering/wk_gate_gemm/triton.py); ``--xgemm-config`` adds
+    more. The consumers' partial sums are not timed (they fold into kernels that run anyway)."""
+    from nsa_inductor.patterns.wk_gate_gemm import splits_for
+
+    tk, _ = _op("wk_gate_gemm")
+    head_gate, _ = _op("head_gate_gemm")
+    F = torch.nn.functional
+    gate_weight = torch.randn(64, 7168, device=DEV) * 7168**-0.5
+    k_weight = (torch.randn(128, 7168, device=DEV) * 7168**-0.5).bfloat16()
+    extra = [tuple(int(v) for v in c.split(",")) for c in args.xgemm_config or []]
+    for tokens in XGEMM_ROWS:
+        x = torch.randn(tokens, 7168, device=DEV).bfloat16()
+        default = (splits_for(tokens, 7168), tk.config_for(tokens))
+        tiles = [tk.WkGateConfig(tokens, *t) for t in XGEMM_TILES if t[0] <= max(16, 2 * tokens)]
+        candidates = [default, *((sp, default[1]) for sp in XGEMM_SPLITS),
+                      *((default[0], t) for t in tiles), *((sp, t) for sp in XGEMM_SPLITS for t in tiles)]
+        candidates += [((e[6], e[7]), tk.WkGateConfig(tokens, *e[:6])) for e in extra]
+        results = {}
+        for splits, cfg in dict.fromkeys(candidates):
+            results[(splits, cfg)] = _bench(
+                lambda splits=splits, cfg=cfg: tk.wk_gate_gemm(x, gate_weight, k_weight, *splits, False, config=cfg),
+                True)
+        best = min(results, key=results.get)
+        torch_us = None if args.no_torch else _bench(
+            lambda: (F.linear(x, k_weight), F.linear(x.float(), gate_weight)), True)
+        today_us = _bench(lambda: (F.linear(x, k_weight), head_gate.head_gate_gemm(x, gate_weight, 4, False)), True)
+        (gate_splits, k_splits), _ = default
+        nbytes = gate_weight.numel() * 4 + k_weight.numel() * 2 + x.numel() * 2 + tokens * (gate_splits * 64 +
+                                                                                          k_splits * 128) * 4
+        rows.append({**_bandwidth_row("wk_gate_gemm", f"M={tokens} wk+gate K=7168 (today {today_us:.1f} µs)",
+                                      results[default], torch_us, nbytes),
+                     "config": f"{_xgemm_name(default)}; best {results[best]:.1f} µs: {_xgemm_name(best)}",
+                     "sweep": {_xgemm_name(k): t for k, t in sorted(results.items(), key=lambda kv: kv[1])[:12]}})
+
+
+def _xgemm_name(key) -> str:
+    """``splits G/K, tiles BLOCK_M,GATE_BLOCK_N,K_BLOCK_N,BLOCK_K,WARPS,STAGES`` (the ``--xgemm-config`` order)."""
+    (gate_splits, k_splits), c = key
+    return (f"splits {gate_splits}/{k_splits}, tiles {c.block_m},{c.gate_block_n},{c.k_block_n},{c.block_k},"
+            f"{c.num_warps},{c.num_stages}")
+
+
 def _graph_us(fn, calls: int = 20) -> float:
     """Median GPU µs per call over replays of a CUDA graph of ``calls`` calls: no host launch cost, inputs left in
     L2 as they are when the logits kernel has just written them."""
@@ -288,7 +343,11 @@ def main() -> None:
     parser.add_argument("--ragged-config", action="append", metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
                         help="ragged logits config to try (repeatable; default: the kernel's)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference timings")
-    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "topk", "rotate"],
+    parser.add_argument("--xgemm-config", action="append",
+                        metavar="BLOCK_M,GATE_BLOCK_N,K_BLOCK_N,BLOCK_K,WARPS,STAGES,GATE_SPLITS,K_SPLITS",
+                        help="wk_gate_gemm config to try besides the sweep (repeatable)")
+    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "xgemm", "topk",
+                                           "rotate"],
                         action="append",
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
@@ -297,7 +356,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
-               "head_gate": bench_head_gate, "topk": bench_topk, "rotate": bench_rotate}
+               "head_gate": bench_head_gate, "xgemm": bench_xgemm, "topk": bench_topk, "rotate": bench_rotate}
     for name, bench in benches.items():
         if not args.only or name in args.only:
             bench(args, rows)

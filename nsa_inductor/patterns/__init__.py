@@ -19,7 +19,8 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     ``rotate_act_quant`` runs after ``quant_cache_store`` (it gives the store its rotation, and fuses the q side's)
     and before ``head_gate_gemm``, whose gate chain then reads the fused op's scale;
     the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
-    before ``topk_indices``, which reads their masks to bound its scan;
+    before ``topk_indices``, which reads their masks to bound its scan; ``wk_gate_gemm`` anchors on the op
+    ``head_gate_gemm`` inserts;
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs last so the matchers see the graph as the user wrote it.
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
@@ -31,10 +32,11 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .rotate_act_quant import RotateActQuant
     from .searchsorted_offset import SearchsortedOffset
     from .topk_indices import TopkIndices
+    from .wk_gate_gemm import WkGateGemm
 
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant()]
     if options.head_gate_mode != "off":
-        passes.append(HeadGateGemm(mode=options.head_gate_mode))
+        passes += [HeadGateGemm(mode=options.head_gate_mode), WkGateGemm()]
     passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
                SearchsortedOffset()]
     return [p for p in passes if p.name not in options.disable_passes]

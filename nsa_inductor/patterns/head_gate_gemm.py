@@ -42,7 +42,7 @@ def replacement(x: torch.Tensor, weight: torch.Tensor, splits: int, mode: str) -
 
 _LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                   torch.float8_e5m2fnuz}
-_DOWNSTREAM_LIMIT = 20000
+DOWNSTREAM_LIMIT = 20000
 # Split-K of the op: one split per 1024 columns of K, at most 4 (the consumer kernel reads every partial; with the
 # scale chain's own inputs it must stay under Inductor's realize_acc_reads_threshold of 8 reads).
 _K_PER_SPLIT = 1024
@@ -89,13 +89,13 @@ def _replay(graph: torch.fx.Graph, start: torch.fx.Node, views: list[torch.fx.No
     return start
 
 
-def _quantized_by_store(node: torch.fx.Node) -> bool:
+def quantized_by_store(node: torch.fx.Node) -> bool:
     """``nsa.quant_cache_store`` (inserted by an earlier pass) rounds its input to bf16 and fp8 itself."""
     return (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized
             and str(node.args[0]) == "nsa.quant_cache_store.default")
 
 
-def _weight_rows(graph: torch.fx.Graph, b: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
+def weight_rows(graph: torch.fx.Graph, b: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
     """The weight as ``[N, K]`` (the op's layout): ``w`` itself under ``b = permute(w)``, else a transposed view."""
     return w if b is not w else insert_call(graph, aten.permute.default, (w, [1, 0]))
 
@@ -110,17 +110,17 @@ def _rounded_downstream(node: torch.fx.Node) -> str | None:
         for user in queue.popleft().users:
             if is_op(user, prims.convert_element_type.default) and user.args[1] in _LOW_PRECISION:
                 return f"rounded to {user.args[1]} downstream by {describe(user)}"
-            if _quantized_by_store(user):
+            if quantized_by_store(user):
                 return f"quantized to fp8 downstream by {describe(user)}"
             if user not in seen:
-                if len(seen) >= _DOWNSTREAM_LIMIT:
-                    return f"consumed by more than {_DOWNSTREAM_LIMIT} nodes, not proven to stay fp32"
+                if len(seen) >= DOWNSTREAM_LIMIT:
+                    return f"consumed by more than {DOWNSTREAM_LIMIT} nodes, not proven to stay fp32"
                 seen.add(user)
                 queue.append(user)
     return None
 
 
-def _transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
+def transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
     """``W`` for ``b = permute(W, [1, 0])`` / ``t(W)`` (``F.linear``, ``x @ W.t()``) or ``b = W`` (``x @ W``), 2-D."""
     if is_op(b, aten.permute.default) and list(b.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
         w = b.args[0]
@@ -156,13 +156,13 @@ def _gemm_then_upcast_parts(cvt: torch.fx.Node) -> tuple | None:
         return None
     a, b = mm.args
     ta = tensor_val(a)
-    w = _transposed_weight(b)
+    w = transposed_weight(b)
     if w is None or ta is None or ta.dtype != torch.bfloat16:
         return None  # a bf16 product of activations, not a linear layer
     return mm, views, w
 
 
-def _check_weight(w: torch.fx.Node, dtype: torch.dtype, static: set[torch.fx.Node] | None) -> None:
+def check_parameter_weight(w: torch.fx.Node, dtype: torch.dtype, static: set[torch.fx.Node] | None) -> None:
     tw = tensor_val(w)
     if tw.dtype != dtype:
         raise NearMiss(f"weight {describe(w)} is {tw.dtype} {list(tw.shape)}, not {dtype}")
@@ -183,6 +183,11 @@ def _split_k_gemm(graph: torch.fx.Graph, x: torch.fx.Node, w_rows: torch.fx.Node
     (not a reduction: Inductor fuses the adds into the consumer kernel instead of launching one of its own)."""
     splits = max(1, min(_MAX_SPLITS, k // _K_PER_SPLIT))
     partials = insert_call(graph, torch.ops.nsa.head_gate_gemm.default, (x, w_rows, splits, round_weight))
+    return sum_partials(graph, partials, splits)
+
+
+def sum_partials(graph: torch.fx.Graph, partials: torch.fx.Node, splits: int) -> torch.fx.Node:
+    """``partials[0] + partials[1] + ...`` of split-K partials ``[splits, M, N]``, left to right, as pointwise adds."""
     total = insert_call(graph, aten.select.int, (partials, 0, 0))
     for s in range(1, splits):
         total = insert_call(graph, aten.add.Tensor, (total, insert_call(graph, aten.select.int, (partials, 0, s))))
@@ -229,14 +234,14 @@ class HeadGateGemm(GraphPass):
         """``mm(convert(x_bf16, f32), W32^T)`` (or addmm)."""
         is_addmm = is_op(mm, aten.addmm.default)
         ta, tx = tensor_val(a), tensor_val(x)
-        w = _transposed_weight(b)
+        w = transposed_weight(b)
         if w is None:
             raise NearMiss(f"GEMM of an upcast activation whose second operand {describe(b)} is computed, not a 2-D "
                            "weight")
         if tx is None or tx.dtype != torch.bfloat16:
             raise NearMiss(f"activation {describe(x)} is {tx.dtype if tx is not None else None} before the upcast, "
                            "not bfloat16")
-        _check_weight(w, torch.float32, static)
+        check_parameter_weight(w, torch.float32, static)
         tw, tb = tensor_val(w), tensor_val(b)
         if tb is None or tb.dim() != 2 or not sym_equal(ta.shape[1], tb.shape[0]):
             raise NearMiss(f"K dimension mismatch: activation {list(ta.shape)} vs weight operand {list(tw.shape)}")
@@ -253,7 +258,7 @@ class HeadGateGemm(GraphPass):
             raise NearMiss(f"weight {describe(w)} has a symbolic input size {tb.shape[0]}")
         with graph.inserting_before(mm):
             x_2d = _replay(graph, x, views)
-            new = _split_k_gemm(graph, x_2d, _weight_rows(graph, b, w), self.mode == "round", k)
+            new = _split_k_gemm(graph, x_2d, weight_rows(graph, b, w), self.mode == "round", k)
             if is_addmm:
                 new = insert_call(graph, aten.add.Tensor, (new, mm.args[0]))
         mm.replace_all_uses_with(new)
@@ -263,7 +268,7 @@ class HeadGateGemm(GraphPass):
                           w: torch.fx.Node, static: set[torch.fx.Node] | None) -> None:
         """``convert(mm(x_bf16, W16^T), f32)``, possibly with reshapes between the mm and the convert."""
         a, b = mm.args
-        _check_weight(w, torch.bfloat16, static)
+        check_parameter_weight(w, torch.bfloat16, static)
         for node in [mm, *views]:
             if len(node.users) != 1:
                 raise NearMiss(f"the bf16 GEMM result {describe(node)} is also used in bf16; rewriting would run "
@@ -275,6 +280,6 @@ class HeadGateGemm(GraphPass):
         if k is None:
             raise NearMiss(f"weight {describe(w)} has a symbolic input size {tensor_val(a).shape[1]}")
         with graph.inserting_before(cvt):
-            new = _replay(graph, _split_k_gemm(graph, a, _weight_rows(graph, b, w), False, k), views)
+            new = _replay(graph, _split_k_gemm(graph, a, weight_rows(graph, b, w), False, k), views)
         cvt.replace_all_uses_with(new)
         erase_dead(graph, [cvt])

@@ -171,6 +171,8 @@ def small_inputs() -> dict[str, tuple]:
                            False),
         "rotate_act_quant": (torch.randn(2, 3, 128, generator=gen).bfloat16(), torch.randn(128, 128, generator=gen),
                              128**-0.5, False, 64, "ue8m0", FN, 448.0),
+        "wk_gate_gemm": (torch.randn(5, 130, generator=gen).bfloat16(), torch.randn(12, 130, generator=gen),
+                         torch.randn(20, 130, generator=gen).bfloat16(), 3, 2, False),
     }
 
 

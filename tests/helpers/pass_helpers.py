@@ -77,16 +77,45 @@ def run_pass(graph_pass, count, fn, *args):
     return result, before, after, counted - count(gm)
 
 
+# docs/numerics.md, "K projection and head gate in one launch": where wk_gate_gemm changed the summation order of
+# the K projection, at most this fraction of the written fp8 values differ from eager's, each by at most MAX_ULPS
+# steps of the fp8 grid, and at most this fraction of the written tokens have another scale.
+MAX_VALUES_DIFFER = 0.01
+MAX_ULPS = 2
+MAX_SCALES_DIFFER = 0.01
+
+
+def assert_k_cache_matches(expected, actual, slots, layout=None):
+    """The K-cache slots a step wrote (``slots``) hold eager's bytes up to the documented bound of a changed
+    summation order; every other byte is identical. ``layout``: default row-major pages of the cache's row size."""
+    from nsa_inductor.layout import KCacheLayout
+    from nsa_inductor.workload import k_cache_difference
+
+    if torch.equal(expected, actual):
+        return
+    layout = layout or KCacheLayout(expected.shape[1] // 132)
+    written = torch.zeros(expected.shape[0] * layout.page_size, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    untouched = (~written).nonzero().squeeze(1)
+    untouched_diff = k_cache_difference(layout, expected, actual, slots=untouched)
+    assert untouched_diff["values_differ"] == untouched_diff["tokens_scale_differs"] == 0, "unwritten slots differ"
+    diff = k_cache_difference(layout, expected, actual, slots=slots)
+    assert diff["tokens_scale_differs"] <= MAX_SCALES_DIFFER * int((slots >= 0).sum()), diff
+    assert diff["values_differ"] <= MAX_VALUES_DIFFER and diff["max_ulps"] <= MAX_ULPS, diff
+
+
 def assert_matches_eager(eager_fn, compiled_fn, batch, prepare=lambda b: b):
-    """Run both on clones of ``batch`` (``prepare`` adjusts the compiled side's clone): cache bytes identical, logits
-    within DESIGN §4 with identical -inf masks, top-k index sets equal."""
+    """Run both on clones of ``batch`` (``prepare`` adjusts the compiled side's clone): cache bytes identical up to
+    the documented bound of ``wk_gate_gemm`` (``assert_k_cache_matches``), logits within DESIGN §4 with identical
+    -inf masks, top-k index sets equal."""
     from helpers.reference64 import assert_logits_close
 
     eager, comp = batch.clone(), prepare(batch.clone())
     with torch.no_grad():
         logits, topk = eager_fn(*eager.args)
         c_logits, c_topk = compiled_fn(*comp.args)
-    assert torch.equal(eager.kv_cache, comp.kv_cache), "K-cache bytes differ"
+    assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping,
+                           getattr(getattr(eager_fn, "__self__", None), "layout", None))
     assert_logits_close(c_logits, logits)
     for row, (a, b) in enumerate(zip(topk, c_topk)):
         assert set(a.tolist()) == set(b.tolist()), f"top-k sets differ in row {row}"

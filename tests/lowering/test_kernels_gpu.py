@@ -263,6 +263,54 @@ def test_head_gate_gemm_captures_in_cuda_graph():
     assert torch.equal(partials, torch.ops.nsa.head_gate_gemm(x, weight, 4, False))
 
 
+@pytest.mark.parametrize("mode", ["split", "round", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, 8, 64, 256, 4096])
+def test_wk_gate_gemm_deepseek_v32_size(rows, mode):
+    """wk [128, 7168] bf16 and weights_proj [64, 7168] in one launch, the pass's split counts for these rows:
+    partials against the torch reference on this GPU, sums against the float64 model, every element written; the K
+    sum rounded to bf16 against cuBLAS's ``F.linear(x, wk)``: a few values one bf16 ulp apart (summation order)."""
+    from nsa_inductor.lowering.wk_gate_gemm import reference
+    from nsa_inductor.patterns.wk_gate_gemm import splits_for
+
+    dtype, round_weight = WEIGHT_MODES[mode]
+    gate_splits, k_splits = splits_for(rows, 7168)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 7168, generator=gen).bfloat16().to(DEV)
+    gate_weight = (torch.randn(64, 7168, generator=gen) * 7168**-0.5).to(dtype).to(DEV)
+    k_weight = (torch.randn(128, 7168, generator=gen) * 7168**-0.5).bfloat16().to(DEV)
+    out = (torch.full((gate_splits, rows, 64), float("nan"), device=DEV),
+           torch.full((k_splits, rows, 128), float("nan"), device=DEV))
+    got = _tk("wk_gate_gemm").wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, out=out)
+    want = reference.wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight)
+    for g, w in zip(got, want):
+        assert_rows_close(g, w)
+    assert_rows_close(got[0].sum(0, keepdim=True), head_gate_partials64(x, gate_weight, 1, round_weight))
+    assert_rows_close(got[1].sum(0, keepdim=True), head_gate_partials64(x, k_weight, 1, False))
+    k = got[1].sum(0).bfloat16().float()
+    cublas = torch.nn.functional.linear(x, k_weight).float()
+    ulp = 2.0 ** (torch.frexp(cublas.abs().clamp(min=1e-30))[1].float() - 8)
+    assert ((k - cublas).abs() <= ulp).all(), "more than one bf16 ulp from cuBLAS"
+    assert float((k != cublas).float().mean()) <= 0.05
+
+
+def test_wk_gate_gemm_captures_in_cuda_graph():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 7168, generator=gen).bfloat16().to(DEV)
+    gate_weight = torch.randn(64, 7168, generator=gen).to(DEV)
+    k_weight = torch.randn(128, 7168, generator=gen).bfloat16().to(DEV)
+    call = (gate_weight, k_weight, 8, 16, False)
+    torch.ops.nsa.wk_gate_gemm(x, *call)  # compile the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gates, keys = torch.ops.nsa.wk_gate_gemm(x, *call)
+    x.copy_(torch.randn(64, 7168, generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.ops.nsa.wk_gate_gemm(x, *call)
+    assert torch.equal(gates, want[0]) and torch.equal(keys, want[1])
+
+
 def test_ops_capture_in_cuda_graph():
     gen = torch.Generator().manual_seed(5)
     page_size, heads, batch = 64, 64, 4

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 OPS = ["gather_k", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store", "rotate_act_quant",
-       "topk_indices"]
+       "topk_indices", "wk_gate_gemm"]
 
 
 def test_import_registers_every_op_without_triton_or_aiter():

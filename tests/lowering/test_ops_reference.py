@@ -291,6 +291,40 @@ def test_head_gate_gemm_weight_rounding_is_exact(round_weight):
     assert torch.equal(got.double(), head_gate_weight64(weight, round_weight).T)
 
 
+@HYP
+@given(
+    rows=st.integers(0, 20),
+    gate_n=st.integers(1, 40),
+    k_n=st.integers(1, 40),
+    k=st.integers(0, 300),
+    gate_splits=st.integers(1, 5),
+    k_splits=st.integers(1, 5),
+    mode=st.sampled_from(sorted(WEIGHT_MODES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_wk_gate_gemm_matches_float64(rows, gate_n, k_n, k, gate_splits, k_splits, mode, seed):
+    """Both products against the float64 model, each with its own split count (the same bound as the head gate's:
+    products of bf16 values are exact in fp32); the K product's sum rounded to bf16 is within one bf16 rounding of
+    the exact product (one bf16 ulp)."""
+    dtype, round_weight = WEIGHT_MODES[mode]
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+    gate_weight = (torch.randn(gate_n, k, generator=gen) * torch.logspace(-2, 2, gate_n)[:, None]).to(dtype)
+    k_weight = torch.randn(k_n, k, generator=gen).bfloat16()
+    gates, keys = torch.ops.nsa.wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight)
+    assert gates.shape == (gate_splits, rows, gate_n) and keys.shape == (k_splits, rows, k_n)
+    for got, weight, splits, rounded in ((gates, gate_weight, gate_splits, round_weight),
+                                         (keys, k_weight, k_splits, False)):
+        want = head_gate_partials64(x, weight, splits, rounded)
+        magnitude = x.double().abs() @ head_gate_weight64(weight, rounded).abs().T
+        slack = (k + splits) * 2.0**-24
+        assert ((got.double() - want).abs() <= slack * magnitude).all()
+        assert ((got.double().sum(0) - want.sum(0)).abs() <= slack * magnitude).all()
+    exact = want.sum(0)
+    bf16 = keys.sum(0).bfloat16().double()
+    assert ((bf16 - exact).abs() <= 2.0**-8 * exact.abs() + (k + k_splits) * 2.0**-24 * magnitude).all()
+
+
 def test_head_gate_gemm_round_weight_needs_fp32_weight():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -309,7 +343,8 @@ def test_head_gate_gemm_round_weight_needs_fp32_weight():
 
 
 @pytest.mark.parametrize(
-    "name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices", "head_gate_gemm"]
+    "name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices", "head_gate_gemm",
+             "wk_gate_gemm"]
 )
 def test_opcheck(name):
     utils = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
@@ -336,6 +371,8 @@ def test_fake_shapes():
         assert (out.shape, out.dtype) == ((4, 7), torch.int32)
         out = torch.ops.nsa.head_gate_gemm(*fake["head_gate_gemm"])
         assert (out.shape, out.dtype) == ((3, 5, 12), torch.float32)
+        gates, k = torch.ops.nsa.wk_gate_gemm(*fake["wk_gate_gemm"])
+        assert (gates.shape, gates.dtype, k.shape, k.dtype) == ((3, 5, 12), torch.float32, (2, 5, 20), torch.float32)
 
 
 def test_quant_cache_store_is_declared_mutating():
@@ -403,10 +440,17 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("rotate_act_quant", 1, torch.zeros(128, 128).half(), r"rotation must be float32 or bfloat16 .* got float16"),
         ("rotate_act_quant", 4, 8, r"quant_block must be one of \(16, 32, 64, 128\)"),
         ("rotate_act_quant", 7, 500.0, r"fp8_max must be in \(0, 448.0\] for torch.float8_e4m3fn, got 500.0"),
+        ("wk_gate_gemm", 0, torch.zeros(5, 130), r"x must be bfloat16 \[M, K\], got float32 \[5, 130\]"),
+        ("wk_gate_gemm", 1, torch.zeros(12, 129), r"gate_weight must be .*\[N, K=130\], got float32 \[12, 129\]"),
+        ("wk_gate_gemm", 2, torch.zeros(20, 130), r"k_weight must be bfloat16 \[N, K=130\], got float32 \[20, 130\]"),
+        ("wk_gate_gemm", 4, 0, r"k_splits must be >= 1, got 0"),
+        ("wk_gate_gemm", 1, torch.zeros(12, 130).bfloat16(), None),
     ],
 )
 def test_validation_errors_name_the_tensor(name, index, value, message):
     args = _replace(small_inputs()[name], index, value)
+    if message is None:  # round_weight with a bf16 gate weight
+        args, message = _replace(args, 5, True), r"round_weight needs a float32 gate_weight .* got bfloat16 \[12, 130\]"
     with pytest.raises(ValueError, match=message):
         getattr(torch.ops.nsa, name)(*args)
 

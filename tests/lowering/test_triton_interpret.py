@@ -310,3 +310,40 @@ def test_quant_cache_store_rotation_prologue_matches_reference(layout, rotation)
     reference.quant_cache_store(k, want, slots, page_size, preshuffle, *args)
     _kernels("quant_cache_store").quant_cache_store(k, cache, slots, page_size, preshuffle, *args)
     assert torch.equal(cache, want)
+
+
+@child_only
+@pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
+@pytest.mark.parametrize("rows, gate_n, k_n, k, splits", [(1, 24, 40, 200, (4, 3)), (0, 16, 32, 128, (2, 2)),
+                                                          (17, 33, 20, 130, (3, 5)), (5, 16, 48, 65, (1, 4))])
+@pytest.mark.parametrize("config", [None, (16, 32, 16, 128, 4, 2)])
+def test_wk_gate_gemm_matches_reference(rows, gate_n, k_n, k, splits, mode, config):
+    """Both products of one launch: M = 1 and odd M, N and K tails, chunks past K (zeros), different split counts
+    per product, every element of both outputs written (NaN-poisoned); the default tiling and a wider one."""
+    from nsa_inductor.lowering.wk_gate_gemm import reference
+
+    tk = _kernels("wk_gate_gemm")
+    dtype, round_weight = WEIGHT_MODES[mode]
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    gate_weight = (torch.randn(gate_n, k, generator=gen) * torch.logspace(-2, 2, gate_n)[:, None]).to(dtype)
+    k_weight = torch.randn(k_n, k, generator=gen).bfloat16()
+    out = (torch.full((splits[0], rows, gate_n), float("nan")), torch.full((splits[1], rows, k_n), float("nan")))
+    got = tk.wk_gate_gemm(x, gate_weight, k_weight, *splits, round_weight, out=out,
+                          config=config and tk.WkGateConfig(1 << 20, *config))
+    want = reference.wk_gate_gemm(x, gate_weight, k_weight, *splits, round_weight)
+    for g, w in zip(got, want):
+        assert_rows_close(g, w)
+
+
+@child_only
+def test_wk_gate_gemm_strided_weights():
+    """Transposed weight views (a frozen model's folded ``W^T``) are read in place."""
+    from nsa_inductor.lowering.wk_gate_gemm import reference
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 200, generator=gen).bfloat16()
+    gate_weight, k_weight = torch.randn(200, 16, generator=gen).t(), torch.randn(200, 32, generator=gen).bfloat16().t()
+    got = _kernels("wk_gate_gemm").wk_gate_gemm(x, gate_weight, k_weight, 2, 3, False)
+    for g, w in zip(got, reference.wk_gate_gemm(x, gate_weight, k_weight, 2, 3, False)):
+        assert_rows_close(g, w)

@@ -13,16 +13,15 @@ from .reference import HEAD_GATE_K_ALIGN, head_gate_chunk
 
 
 @triton.jit
-def _head_gate_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, chunk, stride_xm, stride_xk, stride_wn, stride_wk,
-                           WEIGHT: tl.constexpr, ON_GPU: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[s, rows, cols] = x[rows, chunk s] @ w[cols, chunk s]^T`` for one [BLOCK_M, BLOCK_N] tile of split ``s``,
-    bf16 dots accumulated in fp32. ``WEIGHT``: "bf16" (used as is), "round" (fp32 rounded to bf16) or "split"
-    (fp32 as hi + lo: hi = W with its low 16 bits cleared, lo = bf16(W - hi); two dots into one accumulator).
-    The fp32 weight is read once and split in registers: no bf16 copy of it is ever written."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
+def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, stride_xm, stride_xk, stride_wn,
+                 stride_wk, WEIGHT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """``out[split, rows, cols] = x[rows, chunk split] @ w[cols, chunk split]^T`` for output tile (pid_m, pid_n) of
+    ``out [splits, m, n]``, bf16 dots accumulated in fp32. ``WEIGHT``: "bf16" (used as is), "round" (fp32 rounded
+    to bf16) or "split" (fp32 as hi + lo: hi = W with its low 16 bits cleared, lo = bf16(W - hi); two dots into one
+    accumulator). The fp32 weight is read once and split in registers: no bf16 copy of it is ever written."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = split * chunk
     k_end = tl.minimum(k_begin + chunk, k)
     row_ok = rows < m
@@ -47,6 +46,15 @@ def _head_gate_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, chunk, stride_xm, str
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _head_gate_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, chunk, stride_xm, stride_xk, stride_wn, stride_wk,
+                           WEIGHT: tl.constexpr, ON_GPU: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of one K chunk per program: grid (row tiles, column tiles, splits)."""
+    split_k_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), m, n, k, chunk,
+                 stride_xm, stride_xk, stride_wn, stride_wk, WEIGHT, ON_GPU, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 @dataclass(frozen=True)
 class HeadGateConfig:
     """Tiling of the head-gate GEMM: a BLOCK_M x BLOCK_N output tile of one K chunk per program."""
@@ -63,6 +71,11 @@ def _default_head_gate_config(rows: int) -> HeadGateConfig:
     return HeadGateConfig(block_m, block_n, 3 if rows > 2048 else 4)
 
 
+def weight_mode(weight: torch.Tensor, round_weight: bool) -> str:
+    """``split_k_tile``'s ``WEIGHT`` for this weight: "bf16" (a bf16 weight), "round" or "split" (an fp32 one)."""
+    return "bf16" if weight.dtype == torch.bfloat16 else "round" if round_weight else "split"
+
+
 def head_gate_gemm(x, weight, splits, round_weight, out=None, config: HeadGateConfig | None = None):
     """Split-K partials ``[splits, M, N]`` fp32 of ``x @ weight^T``, every element written (empty chunks as zeros).
 
@@ -76,7 +89,7 @@ def head_gate_gemm(x, weight, splits, round_weight, out=None, config: HeadGateCo
     if rows == 0 or n == 0:
         return out
     cfg = config or _default_head_gate_config(rows)
-    mode = "bf16" if weight.dtype == torch.bfloat16 else "round" if round_weight else "split"
+    mode = weight_mode(weight, round_weight)
     grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     kernel = _head_gate_gemm_kernel
     kernel[grid](x, weight, out, rows, n, k, head_gate_chunk(k, splits), *x.stride(), *weight.stride(), WEIGHT=mode,
