@@ -38,7 +38,7 @@ prims = torch.ops.prims
 # q act_quant kernel (the scale chain reads the partials and q's amax): past Inductor's realize_acc_reads_threshold
 # (12 under the backend) the sum would be stored by a kernel of its own. The K sum feeds the `.float()` before
 # LayerNorm. Tune with `benchmarks/kernels.py --only xgemm` (it reads this table).
-SPLITS = ((16, 8, 16), (64, 8, 16), (512, 4, 8), (None, 2, 2))
+SPLITS = ((64, 8, 16), (512, 8, 8), (None, 4, 4))  # H200 sweep: BENCHMARKS.md, wk_gate_gemm
 # Fewer splits where K is short: at least this many columns of K per split.
 MIN_K_PER_SPLIT = 128
 

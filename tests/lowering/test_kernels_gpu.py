@@ -282,14 +282,16 @@ def test_wk_gate_gemm_deepseek_v32_size(rows, mode):
            torch.full((k_splits, rows, 128), float("nan"), device=DEV))
     got = _tk("wk_gate_gemm").wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, out=out)
     want = reference.wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight)
-    for g, w in zip(got, want):
-        assert_rows_close(g, w)
+    for g, w in zip(got, want):  # the reference's fp32 GEMM sums in cuBLAS's order: 3e-5 of a row's norm
+        assert_rows_close(g, w, rtol=3e-5)
     assert_rows_close(got[0].sum(0, keepdim=True), head_gate_partials64(x, gate_weight, 1, round_weight))
     assert_rows_close(got[1].sum(0, keepdim=True), head_gate_partials64(x, k_weight, 1, False))
     k = got[1].sum(0).bfloat16().float()
     cublas = torch.nn.functional.linear(x, k_weight).float()
     ulp = 2.0 ** (torch.frexp(cublas.abs().clamp(min=1e-30))[1].float() - 8)
-    assert ((k - cublas).abs() <= ulp).all(), "more than one bf16 ulp from cuBLAS"
+    # one bf16 ulp, or (where the sum cancels to a small result) fp32 rounding of the summands' magnitudes
+    magnitude = torch.nn.functional.linear(x.float().abs(), k_weight.float().abs())
+    assert ((k - cublas).abs() <= torch.maximum(ulp, magnitude * 2.0**-16)).all(), "more than one bf16 ulp from cuBLAS"
     assert float((k != cublas).float().mean()) <= 0.05
 
 
