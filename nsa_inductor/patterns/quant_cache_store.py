@@ -27,7 +27,7 @@ from ..layout import KCacheLayout
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import (VIEW_OPS, aten, arg, evaluate, insert_call, is_op, norm_dim, prims, same_shape, slice_params,
-                       val, walk_back)
+                       sym_equal, val, walk_back)
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
@@ -191,12 +191,23 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
     return writes, slot
 
 
+def _same_token_count(a, b) -> bool:
+    """Token counts ``a`` (the written values) and ``b`` (the slot mapping) agree: provably, or both symbolic with one
+    example value. Eager's index_put broadcasts values ``[T, ...]`` over indices ``[S]``, which fails unless T == S or
+    T == 1, and Dynamo specialises 1; engines pass the slot mapping as its own input, so the symbols may differ."""
+    if sym_equal(a, b):
+        return True
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    return a.node.hint is not None and a.node.hint == b.node.hint
+
+
 def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_token: int) -> bool:
     shape = val(payload).shape
     row_bytes = val(payload).element_size()
     for size in shape[1:]:
         row_bytes *= int(size)
-    return len(shape) >= 1 and str(shape[0]) == str(val(slot).shape[0]) and row_bytes == bytes_per_token
+    return len(shape) >= 1 and _same_token_count(shape[0], val(slot).shape[0]) and row_bytes == bytes_per_token
 
 
 @dataclass
@@ -335,7 +346,7 @@ class QuantCacheStore(GraphPass):
         quant = _match_act_quant(_strip(value_write.payload))
         if _strip(scale_write.payload) is not _strip(quant.scale):
             raise NearMiss("the scale written is not the scale of the quantized values")
-        if val(slot).shape[0] != val(quant.k).shape[0]:
+        if not _same_token_count(val(quant.k).shape[0], val(slot).shape[0]):
             raise NearMiss("the slot mapping and the quantized tensor have different token counts")
 
         with graph.inserting_before(final):
