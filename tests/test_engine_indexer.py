@@ -131,3 +131,53 @@ def test_does_not_fire_on_lookalikes(variant):
     assert_matches_eager(model.prefill, compiled_fn, batches("prefill", 16)[0], prepare=static)
     reasons = near_miss_reasons(dump_dir, "ragged_mqa_logits")
     assert reasons and any("mask" in r for r in reasons), reasons
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cache's own page size: a 16-token cache compiled where the guard prefers 64-token pages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reference_run(page: int, preshuffle: bool, entry: str, options: dict, dynamic_rows: bool = False):
+    from nsa_inductor.workload import decode_batch, prefill_batch
+
+    layout = KCacheLayout(page, preshuffle)
+    model = Indexer(CONFIG, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    fn = getattr(model, entry)
+    compiled_fn, dump_dir = compile_entry(fn, options)
+    if entry == "decode":
+        batch = decode_batch(CONFIG, layout, [5, 33, 0, 17], next_n=1, max_len=48, seed=1)
+    else:
+        batch = prefill_batch(CONFIG, layout, [9, 17, 1], seed=3)
+    mark = (lambda b: torch._dynamo.mark_dynamic(b.kv_cache, 1) or b) if dynamic_rows else static
+    assert_matches_eager(fn, compiled_fn, batch, prepare=mark)
+    return dump_dir
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_page_size_from_the_cache(entry):
+    """nsa.layout="paged" without a page size: the guard says 64, the cache's rows say 16 (2112 bytes)."""
+    dump_dir = reference_run(16, False, entry, {"nsa.layout": "paged"})
+    for report in [json.loads(p.read_text()) for p in sorted(dump_dir.glob("*/report.json"))]:
+        assert "page_size=64" in report["layout"]
+        matched = {p["name"]: p["matched"] for p in report["passes"]}
+        assert matched["quant_cache_store"] == 1, report["passes"]
+        assert matched["paged_mqa_logits" if entry == "decode" else "ragged_mqa_logits"] == 1, report["passes"]
+
+
+def test_preshuffle_format_with_the_caches_page_size():
+    dump_dir = reference_run(16, True, "decode", {"nsa.layout": "preshuffle"})
+    for report in [json.loads(p.read_text()) for p in sorted(dump_dir.glob("*/report.json"))]:
+        matched = {p["name"]: p["matched"] for p in report["passes"]}
+        assert matched["quant_cache_store"] == 1 and matched["paged_mqa_logits"] == 1, report["passes"]
+
+
+@pytest.mark.parametrize("page, dynamic_rows, words", [(8, False, "multiple of 16"), (16, True, "dynamic")])
+def test_cache_that_contradicts_the_format_is_a_near_miss(page, dynamic_rows, words):
+    """Row-major 8-token pages under a preshuffle guard; a cache whose row size is symbolic."""
+    options = {"nsa.layout": "preshuffle"} if not dynamic_rows else {"nsa.layout": "paged"}
+    dump_dir = reference_run(page, False, "decode", options, dynamic_rows)
+    for name in ("quant_cache_store", "paged_mqa_logits"):
+        reasons = near_miss_reasons(dump_dir, name)
+        assert reasons and any(words in r for r in reasons), (name, reasons)

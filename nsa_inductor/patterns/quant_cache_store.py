@@ -11,7 +11,9 @@ probing proves the bytes written are the layout's offsets of each slot, the valu
 padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices.
 Rewrites to ``auto_functionalized(nsa.quant_cache_store, ...)`` (reinplaced: no copy of the cache); a quantized
 ``(y_fp32 * c).to(bf16)`` used only here is folded in (``input_scale=c, input_dtype=bf16``).
-Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache.
+The layout is the guard's format with the cache's own page size (its row bytes / 132).
+Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache, a cache
+whose page size contradicts the guard's format (preshuffle needs multiples of 16).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..capability import LayoutDecision, cache_layout
 from ..layout import KCacheLayout
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
 from .base import GraphPass, NearMiss, PassContext
@@ -324,7 +327,7 @@ class QuantCacheStore(GraphPass):
                     yield anchor
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
-        return self._rewrite(graph, anchor.args[0], anchor.args[1], ctx.decision.layout)
+        return self._rewrite(graph, anchor.args[0], anchor.args[1], ctx.decision)
 
     def finish(self, graph: torch.fx.Graph, stores: list[torch.fx.Node]) -> None:
         graph.eliminate_dead_code()
@@ -332,14 +335,15 @@ class QuantCacheStore(GraphPass):
             _take_input_epilogue(stored)
         graph.eliminate_dead_code()
 
-    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout
+    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, decision: LayoutDecision
                  ) -> torch.fx.Node:
         cval = val(cache)
         if not all(isinstance(size, int) for size in cval.shape):
             raise NearMiss(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
-        if int(cval.shape[1]) != layout.page_bytes:
-            raise NearMiss(f"cache rows are {cval.shape[1]} bytes, the compile-time layout {layout} has "
-                          f"{layout.page_bytes}-byte pages")
+        try:
+            layout = cache_layout(decision, tuple(cval.shape))
+        except ValueError as e:
+            raise NearMiss(str(e)) from None
         num_slots = int(cval.shape[0]) * layout.page_size
         writes, slot = _parse_writes(final, cache, layout, num_slots)
         value_write, scale_write = _check_offsets(writes, layout, num_slots)
