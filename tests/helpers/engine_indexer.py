@@ -146,10 +146,15 @@ class EngineBatch:
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.x, self.q_lora, self.positions, self.slot_mapping, self.kv_cache, self.block_table, *self.meta)
 
+    def _map(self, fn) -> EngineBatch:
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return EngineBatch(**{k: tuple(map(fn, v)) if isinstance(v, tuple) else fn(v) for k, v in parts.items()})
+
     def clone(self) -> EngineBatch:
-        copy = {f.name: getattr(self, f.name) for f in fields(self)}
-        copy = {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone() for k, v in copy.items()}
-        return EngineBatch(**copy)
+        return self._map(torch.Tensor.clone)
+
+    def to(self, device) -> EngineBatch:
+        return self._map(lambda t: t.to(device))
 
 
 def _pages_for(lens: list[int], page: int, max_pages: int, gen: torch.Generator) -> torch.Tensor:
@@ -173,21 +178,25 @@ def _activations(config: IndexerConfig, tokens: int, gen: torch.Generator):
             torch.randn(tokens, config.q_lora_rank, generator=gen).to(torch.bfloat16))
 
 
+def _cache(layout: KCacheLayout, table: torch.Tensor, cache_slots: int | None) -> torch.Tensor:
+    return layout.allocate(cache_slots or (int(table.max()) + 1) * layout.page_size)
+
+
 def engine_decode_batch(config: IndexerConfig, page: int, context_lens: list[int], next_n: int, max_len: int,
-                        cache_slots: int, seed: int) -> EngineBatch:
+                        cache_slots: int | None, seed: int) -> EngineBatch:
     """``next_n`` new tokens per sequence after ``ctx - next_n`` cached ones; a sequence with ``ctx < next_n`` is
-    padding (dummy slot, sees nothing)."""
+    padding (dummy slot, sees nothing). ``cache_slots=None``: the smallest cache the batch fits in."""
     gen = torch.Generator().manual_seed(seed)
     layout = KCacheLayout(page)
     table = _pages_for(context_lens, page, -(-max_len // page), gen)
-    cache = layout.allocate(cache_slots)
+    cache = _cache(layout, table, cache_slots)
     positions, slots, row_lens = [], [], []
     for b, ctx in enumerate(context_lens):
-        prior = list(range(max(ctx - next_n, 0)))
-        if prior:
+        prior = torch.arange(max(ctx - next_n, 0))
+        if len(prior):
             k_fp8, k_scale = act_quant(torch.randn(len(prior), config.head_dim, generator=gen), config.quant_block,
                                        config.scale_fmt, config.fp8_dtype)
-            layout.store(cache, torch.tensor([_slot(table, b, p, page) for p in prior]), k_fp8, k_scale.squeeze(-1))
+            layout.store(cache, table[b, prior // page].long() * page + prior % page, k_fp8, k_scale.squeeze(-1))
         for j in range(next_n):
             pos = ctx - next_n + j
             positions.append(max(pos, 0))
@@ -199,13 +208,13 @@ def engine_decode_batch(config: IndexerConfig, page: int, context_lens: list[int
 
 
 def engine_prefill_batch(config: IndexerConfig, page: int, seq_lens: list[int], padding_tokens: int,
-                         cache_slots: int, seed: int) -> EngineBatch:
+                         cache_slots: int | None, seed: int) -> EngineBatch:
     """Whole sequences back to back, then padding tokens (dummy slot, ``ks = ke = 0``: they see nothing)."""
     gen = torch.Generator().manual_seed(seed)
     layout = KCacheLayout(page)
     table = _pages_for(seq_lens + [1], page, -(-max(seq_lens + [1]) // page), gen)
     table[-1] = 0  # the padding tokens' sequence: the dummy page
-    cache = layout.allocate(cache_slots)
+    cache = _cache(layout, table, cache_slots)
     positions, slots, seq_ids, ks, ke = [], [], [], [], []
     start = 0
     for b, n in enumerate(seq_lens):
