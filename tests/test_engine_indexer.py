@@ -96,6 +96,25 @@ def test_rewrites_use_the_inputs(run):
         assert count_ops(after, "aten.bmm") == 0 and count_ops(after, "aten.relu") == 0
 
 
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_one_sequence(entry):
+    """B = 1 (Dynamo specialises size 1): decode with next_n 1 then 2 (row_lens [2] looks like cu_seqlens [B+1]),
+    prefill of one sequence."""
+    model = engine_model(16)
+    fn = getattr(model, entry)
+    compiled_fn, dump_dir = compile_entry(fn, {"nsa.layout": "paged", "nsa.page_size": 16})
+    if entry == "decode":
+        runs = [engine_decode_batch(CONFIG, 16, [33], next_n=n, max_len=48, cache_slots=CACHE_SLOTS, seed=n)
+                for n in (1, 2)]
+    else:
+        runs = [engine_prefill_batch(CONFIG, 16, [7], padding_tokens=0, cache_slots=CACHE_SLOTS, seed=5)]
+    for batch in runs:
+        assert_matches_eager(fn, compiled_fn, batch, prepare=static)
+    for report in [json.loads(p.read_text()) for p in sorted(dump_dir.glob("*/report.json"))]:
+        matched = {p["name"]: p["matched"] for p in report["passes"]}
+        assert matched == EXPECTED_MATCHES[entry], f"{report['graph']}: {report['passes']}"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # near misses: masks that look like the bounds but are not
 # ---------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ class RaggedMqaLogits(MqaLogitsPass):
         if len(where_shape) != 2:
             raise NearMiss(f"prefill logits {m.where.name} have shape {list(where_shape)}, expected [T, N]")
         with graph.inserting_before(m.where):
-            tokens = size_arg(graph, where_shape[0], [m.q, m.weights, *inputs])
             q = reshape(graph, m.q, [-1, heads, HEAD_DIM])
             weights = reshape(graph, m.weights, [-1, heads])
             if m.cached_prefill:
@@ -55,7 +54,7 @@ class RaggedMqaLogits(MqaLogitsPass):
                 ks = insert_call(graph, aten.zeros_like.default, (ke,)) if begin is None else \
                     as_dtype(graph, begin, torch.int32)
             else:
-                ks, ke = self._causal_bounds(graph, m.lens, tokens)
+                ks, ke = self._causal_bounds(graph, m.lens, size_arg(graph, where_shape[0], [m.q, m.weights, *inputs]))
             out = insert_call(graph, torch.ops.nsa.mqa_logits.default, (q, k8, k_scale, weights, ks, ke))
             replace(graph, m.where, out)
 
