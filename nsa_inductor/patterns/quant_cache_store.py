@@ -195,14 +195,13 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
 
 
 def _same_token_count(a, b) -> bool:
-    """Token counts ``a`` (the written values) and ``b`` (the slot mapping) agree: provably, or both symbolic with one
-    example value. Eager's index_put broadcasts values ``[T, ...]`` over indices ``[S]``, which fails unless T == S or
-    T == 1, and Dynamo specialises 1; engines pass the slot mapping as its own input, so the symbols may differ."""
+    """Token counts ``a`` (the written values) and ``b`` (the slot mapping) agree: provably, or with one example value
+    other than 1. Eager's index_put broadcasts values ``[T, ...]`` over indices ``[S]``, which fails unless T == S or
+    T == 1; engines pass the slot mapping as its own input, so its size may be another symbol (or a constant)."""
     if sym_equal(a, b):
         return True
-    if isinstance(a, int) or isinstance(b, int):
-        return False
-    return a.node.hint is not None and a.node.hint == b.node.hint
+    hint_a, hint_b = (x if isinstance(x, int) else x.node.hint for x in (a, b))
+    return hint_a is not None and hint_a == hint_b and hint_a != 1
 
 
 def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_token: int) -> bool:
@@ -210,6 +209,8 @@ def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_to
     row_bytes = val(payload).element_size()
     for size in shape[1:]:
         row_bytes *= int(size)
+    if str(val(slot).shape[0]) == "1":  # one token (Dynamo specialised T = 1): its row may arrive squeezed
+        return val(payload).numel() * val(payload).element_size() == bytes_per_token
     return len(shape) >= 1 and _same_token_count(shape[0], val(slot).shape[0]) and row_bytes == bytes_per_token
 
 
