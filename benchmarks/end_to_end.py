@@ -1,10 +1,12 @@
 """One indexer step, eager vs default Inductor vs nsa_rocm, in the same run: median time, kernel launches, agreement.
 
     python benchmarks/end_to_end.py [--config deepseek_v32|glm5] [--batch 64] [--ctx 8192] [--prefill 4096]
-                                    [--layout paged] [--cuda-graphs] [--out DIR]
+                                    [--layout paged] [--cuda-graphs] [--engine] [--out DIR]
 
 Decode: ``batch`` sequences, ``ctx`` tokens of context each (slightly varied), next_n=1, DeepSeek-V3.2 sizes.
-Prefill: one causal sequence of ``prefill`` tokens. Times are ``triton.testing.do_bench`` medians (L2 flushed before
+Prefill: one causal sequence of ``prefill`` tokens. ``--engine``: the tests' engine-fed indexer
+(``tests/helpers/engine_indexer.py``: ks/ke, per-row lengths, seq ids, positions and slot mapping precomputed by its
+batch builder and passed in, K gathered by the model) instead of the reference ``Indexer``, same weights. Times are ``triton.testing.do_bench`` medians (L2 flushed before
 every call); kernel counts are the CUDA kernels torch.profiler records for one step after warm-up. Agreement is
 checked against eager: K-cache bytes, -inf masks, logits relative error, top-k sets.
 """
@@ -95,6 +97,28 @@ def speedup(base: dict, variant: str, row: dict) -> str:
     return f"{base[variant] / row['us']:.1f}x" if variant in base else "-"
 
 
+def engine_steps(args, config, reference, options, context_lens, mode, only) -> list[dict]:
+    """The engine-fed indexer's decode and prefill (metadata built on the host by its batch builder, then moved)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers package
+    from helpers.engine_indexer import EngineIndexer, engine_decode_batch, engine_prefill_batch
+
+    layout = reference.layout
+    if layout.preshuffle:
+        raise SystemExit("--engine: the engine-fed indexer reads row-major pages only (use --layout paged or flat)")
+    model = EngineIndexer(config, layout.page_size).cuda().load_from(reference)
+    rows = []
+    if args.batch:
+        rows += bench_step("decode", model.decode, lambda: engine_decode_batch(
+            config, layout.page_size, context_lens, 1, args.ctx, None, seed=0).to("cuda"), options, mode, only)
+    if args.prefill:
+        rows += bench_step("prefill", model.prefill, lambda: engine_prefill_batch(
+            config, layout.page_size, [args.prefill], 0, None, seed=0).to("cuda"), options, mode, only)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=("deepseek_v32", "glm5"), default="deepseek_v32")
@@ -110,6 +134,8 @@ def main() -> None:
                         help="comma-separated subset (default Inductor's prefill hits a torch 2.11 bug on GPUs)")
     parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted",
                         help="nsa.topk_order: torch's order (default) or set order (engines that use indices as a set)")
+    parser.add_argument("--engine", action="store_true",
+                        help="the engine-fed indexer (metadata as inputs; row-major layouts only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -125,12 +151,16 @@ def main() -> None:
     mode = "reduce-overhead" if args.cuda_graphs else None
     only = set(args.variants.split(","))
     rows = []
-    if args.batch:
-        rows += bench_step("decode", model.decode, lambda: decode_batch(config, layout, context_lens, max_len=args.ctx,
-                                                                        device="cuda"), options, mode, only)
-    if args.prefill:
-        rows += bench_step("prefill", model.prefill,
-                           lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only)
+    if args.engine:
+        rows += engine_steps(args, config, model, options, context_lens, mode, only)
+    else:
+        if args.batch:
+            rows += bench_step("decode", model.decode, lambda: decode_batch(config, layout, context_lens,
+                                                                            max_len=args.ctx, device="cuda"),
+                               options, mode, only)
+        if args.prefill:
+            rows += bench_step("prefill", model.prefill,
+                               lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only)
 
     lines = ["| step | variant | µs | vs eager | vs inductor | kernels | cache bytes = eager | logits rel. err | "
              "top-k sets identical |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]

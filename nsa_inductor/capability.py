@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import KCacheLayout
+from .layout import TOKEN_BYTES, KCacheLayout
 
 log = logging.getLogger("nsa_inductor")
 
@@ -435,6 +435,35 @@ def select_layout(layout: str | None = None, page_size: int | None = None) -> La
     return _select_layout(
         layout, page_size, os.environ.get(ENV_LAYOUT, "").strip().lower(), os.environ.get(ENV_PAGE_SIZE, "").strip()
     )
+
+
+def cache_layout(decision: LayoutDecision, cache_shape: tuple) -> KCacheLayout:
+    """The layout of a ``[num_pages, P * 132]`` cache: its own page size ``P`` (its static shape fixes it) with the
+    guard's format decision (row-major or preshuffle). ``ValueError`` with the reason when the row size is dynamic, is
+    not a whole number of tokens, or contradicts the format (preshuffle with ``P % 16``, or a ``P`` aiter's
+    preshuffle kernel cannot read where it runs). The decision stays part of the cache key; the shape is in the
+    graph, so the resulting layout is too."""
+    layout = decision.layout
+    if len(cache_shape) != 2:
+        return layout
+    row = cache_shape[1]
+    if not isinstance(row, int):
+        raise ValueError(f"the cache's rows have a dynamic size ({row}): its page size is not fixed at compile time")
+    if row == layout.page_bytes:
+        return layout
+    if row % TOKEN_BYTES:
+        raise ValueError(f"cache rows are {row} bytes, not a whole number of {TOKEN_BYTES}-byte tokens")
+    page = row // TOKEN_BYTES
+    if not layout.preshuffle:
+        return KCacheLayout(page)
+    if page % 16:
+        raise ValueError(f"cache rows are {row} bytes ({page}-token pages), but the compile-time layout {layout} is "
+                         "preshuffled, which needs pages of a multiple of 16 tokens")
+    cap = capability()
+    if cap.use_aiter and cap.preshuffle_usable and not aiter_preshuffle_page_ok(page, cap.gfx_arch):
+        raise ValueError(f"cache rows are {row} bytes ({page}-token pages): aiter's preshuffle paged-MQA kernel "
+                         f"(used on this machine) reads {aiter_preshuffle_page_sizes(cap.gfx_arch)}")
+    return KCacheLayout(page, preshuffle=True)
 
 
 def dump_dir_from_env() -> str | None:

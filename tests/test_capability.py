@@ -249,3 +249,22 @@ def test_topk_refusal(version, sorted_, why):
     got = cap_mod.aiter_refusal(rocm(aiter=version) if version else dataclasses.replace(rocm(), aiter_version=None),
                                 "topk_indices", sorted=sorted_)
     assert got is None if why is None else why in got
+
+
+@pytest.mark.parametrize("layout, shape, expected", [
+    (KCacheLayout(64), (10, 16 * 132), KCacheLayout(16)),
+    (KCacheLayout(1), (10, 64 * 132), KCacheLayout(64)),
+    (KCacheLayout(64, preshuffle=True), (10, 32 * 132), KCacheLayout(32, preshuffle=True)),
+    (KCacheLayout(64), (10, 64 * 132), KCacheLayout(64)),
+])
+def test_cache_layout_takes_the_caches_page_size_and_the_guards_format(layout, shape, expected):
+    assert cap_mod.cache_layout(cap_mod.LayoutDecision(layout, "test"), shape) == expected
+
+
+@pytest.mark.parametrize("layout, shape, match", [
+    (KCacheLayout(64, preshuffle=True), (10, 8 * 132), "multiple of 16"),
+    (KCacheLayout(64), (10, 1000), "whole number"),
+])
+def test_cache_layout_refuses_a_contradicting_cache(layout, shape, match):
+    with pytest.raises(ValueError, match=match):
+        cap_mod.cache_layout(cap_mod.LayoutDecision(layout, "test"), shape)

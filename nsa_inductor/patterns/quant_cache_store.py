@@ -11,7 +11,9 @@ probing proves the bytes written are the layout's offsets of each slot, the valu
 padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices.
 Rewrites to ``auto_functionalized(nsa.quant_cache_store, ...)`` (reinplaced: no copy of the cache); a quantized
 ``(y_fp32 * c).to(bf16)`` (or ``/ c``) used only here is folded in (``input_scale=c, input_dtype=bf16``).
-Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache.
+The layout is the guard's format with the cache's own page size (its row bytes / 132).
+Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache, a cache
+whose page size contradicts the guard's format (preshuffle needs multiples of 16).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..capability import LayoutDecision, cache_layout
 from ..layout import KCacheLayout
 from ..quant import fp8_max
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import (VIEW_OPS, ActQuant, aten, arg, evaluate, insert_call, is_op, match_act_quant, norm_dim, prims,
-                       same_shape, slice_params, val, walk_back)
+                       same_shape, slice_params, sym_equal, val, walk_back)
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
@@ -191,12 +194,24 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
     return writes, slot
 
 
+def _same_token_count(a, b) -> bool:
+    """Token counts ``a`` (the written values) and ``b`` (the slot mapping) agree: provably, or with one example value
+    other than 1. Eager's index_put broadcasts values ``[T, ...]`` over indices ``[S]``, which fails unless T == S or
+    T == 1; engines pass the slot mapping as its own input, so its size may be another symbol (or a constant)."""
+    if sym_equal(a, b):
+        return True
+    hint_a, hint_b = (x if isinstance(x, int) else x.node.hint for x in (a, b))
+    return hint_a is not None and hint_a == hint_b and hint_a != 1
+
+
 def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_token: int) -> bool:
     shape = val(payload).shape
     row_bytes = val(payload).element_size()
     for size in shape[1:]:
         row_bytes *= int(size)
-    return len(shape) >= 1 and str(shape[0]) == str(val(slot).shape[0]) and row_bytes == bytes_per_token
+    if str(val(slot).shape[0]) == "1":  # one token (Dynamo specialised T = 1): its row may arrive squeezed
+        return val(payload).numel() * val(payload).element_size() == bytes_per_token
+    return len(shape) >= 1 and _same_token_count(shape[0], val(slot).shape[0]) and row_bytes == bytes_per_token
 
 
 def _match_cached_act_quant(values: torch.fx.Node) -> ActQuant:
@@ -248,7 +263,7 @@ class QuantCacheStore(GraphPass):
                     yield anchor
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
-        return self._rewrite(graph, anchor.args[0], anchor.args[1], ctx.decision.layout)
+        return self._rewrite(graph, anchor.args[0], anchor.args[1], ctx.decision)
 
     def finish(self, graph: torch.fx.Graph, stores: list[torch.fx.Node]) -> None:
         graph.eliminate_dead_code()
@@ -256,21 +271,22 @@ class QuantCacheStore(GraphPass):
             _take_input_epilogue(stored)
         graph.eliminate_dead_code()
 
-    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, layout: KCacheLayout
+    def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, decision: LayoutDecision
                  ) -> torch.fx.Node:
         cval = val(cache)
         if not all(isinstance(size, int) for size in cval.shape):
             raise NearMiss(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
-        if int(cval.shape[1]) != layout.page_bytes:
-            raise NearMiss(f"cache rows are {cval.shape[1]} bytes, the compile-time layout {layout} has "
-                          f"{layout.page_bytes}-byte pages")
+        try:
+            layout = cache_layout(decision, tuple(cval.shape))
+        except ValueError as e:
+            raise NearMiss(str(e)) from None
         num_slots = int(cval.shape[0]) * layout.page_size
         writes, slot = _parse_writes(final, cache, layout, num_slots)
         value_write, scale_write = _check_offsets(writes, layout, num_slots)
         quant = _match_cached_act_quant(_strip(value_write.payload))
         if _strip(scale_write.payload) is not _strip(quant.scale):
             raise NearMiss("the scale written is not the scale of the quantized values")
-        if val(slot).shape[0] != val(quant.x).shape[0]:
+        if not _same_token_count(val(quant.x).shape[0], val(slot).shape[0]):
             raise NearMiss("the slot mapping and the quantized tensor have different token counts")
 
         with graph.inserting_before(final):

@@ -1,7 +1,7 @@
 """The MQA-logits rewrites: plain-torch masked ``Σ_h w * relu(q·k) * k_scale`` logits, proven by probing
 (``probe.py``, ``proofs.py``), become ``nsa.paged_mqa_logits`` (decode, ``paged.py``) or ``nsa.mqa_logits``
 (prefill, ``ragged.py``). Both passes share one analysis per candidate; a near miss whose family cannot be told is
-reported by both."""
+reported by both. The layout is the guard's format with the K cache's own page size (:func:`graph_cache_layout`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,24 @@ from typing import Any
 
 import torch.fx
 
+from ...capability import LayoutDecision, cache_layout
+from ...layout import KCacheLayout
 from ..base import GraphPass, NearMiss, PassContext
+from ..fx_utils import val
 from .proofs import Match, analyze, cache_values, candidates
+
+
+def graph_cache_layout(leaves: set[torch.fx.Node], decision: LayoutDecision) -> KCacheLayout:
+    """The guard's format with the page size of the graph's K cache (its uint8 input, when one row size is shared by
+    all of them); a dynamic or contradicting cache shape is a near miss."""
+    shapes = [tuple(val(n).shape) for n in leaves if n.op == "placeholder"]
+    rows = {str(shape[1]) if len(shape) == 2 else None for shape in shapes}  # (SymInts do not hash)
+    if len(rows) != 1:
+        return decision.layout
+    try:
+        return cache_layout(decision, shapes[0])
+    except ValueError as e:
+        raise NearMiss(str(e)) from None
 
 
 class MqaLogitsPass(GraphPass):
@@ -33,7 +49,7 @@ class MqaLogitsPass(GraphPass):
 
     def rewrite(self, graph: torch.fx.Graph, candidate: tuple, ctx: PassContext) -> None:
         sum_node, where, leaves = candidate
-        layout = ctx.decision.layout
+        layout = graph_cache_layout(leaves, ctx.decision)
         m = analyze(sum_node, where, layout, leaves)
         if m.family != self.family:
             raise NearMiss(f"{m.family} MQA logits", m.family)  # the other pass's match

@@ -103,13 +103,13 @@ class Probes:
             pages = torch.randperm(max(self.num_pages, n), generator=self.gen)
             value = pages[:n].view(rows, cols).to(v.dtype)
             self.block_table = node
-        elif isinstance(v, torch.Tensor) and v.dtype in INT_DTYPES and v.dim() == 1 and self.batch is not None:
+        elif isinstance(v, torch.Tensor) and v.dtype in INT_DTYPES and v.dim() == 1:
             (size,) = shape_of(node)
             if size == self.batch and self.ctx_lens in (None, node):
                 value = torch.randint(0, self.keys + 3, (size,), generator=self.gen)
                 value[: min(size, 2)] = torch.tensor([0, self.keys])[: min(size, 2)]
                 self.ctx_lens = node
-            elif size == self.batch + 1 and self.cu_seqlens in (None, node):
+            elif self.batch is not None and size == self.batch + 1 and self.cu_seqlens in (None, node):
                 cap = self.max_seq or self.keys
                 for _ in range(32):  # random cuts with every length within the block table's reach
                     cuts = torch.randint(0, self.keys + 1, (size - 2,), generator=self.gen).sort().values
@@ -119,9 +119,9 @@ class Probes:
                 else:
                     value = self._greedy_cu(size, cap)
                 self.cu_seqlens = node
-            else:
-                raise NearMiss(f"index sub-graph reads graph input {node.name} {list(v.shape)}, which is neither "
-                               f"the context lengths [B={self.batch}] nor cu_seqlens [B+1]")
+            else:  # metadata given as data (per-row bounds or lengths, a token map): any values, edges included
+                value = torch.randint(0, self.keys + 2, (size,), generator=self.gen)
+                value[: min(size, 2)] = torch.tensor([0, self.keys])[: min(size, 2)]
             value = value.to(v.dtype)
         else:
             desc = f"{v.dtype} {list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
@@ -339,14 +339,15 @@ class Prober:
                 r += 1
         return src, inc, None
 
-    def locate(self, node: torch.fx.Node, coords: torch.Tensor):
+    def locate(self, node: torch.fx.Node, coords: torch.Tensor, stop=None):
         """Follow elements back through re-indexing to ``(source, coords, transforms)``.
 
-        The source is a cache leaf or the first node that computes values. Converts are followed only when exact
-        (same dtype, or fp8 -> fp32); ``view.dtype`` with a wider type checks that the bytes are consecutive.
+        The source is a cache leaf, the first node that computes values, or the first node ``stop(node)`` accepts.
+        Converts are followed only when exact (same dtype, or fp8 -> fp32); ``view.dtype`` with a wider type checks
+        that the bytes are consecutive.
         """
         transforms: list[tuple] = []
-        while node not in self.leaves and node.op == "call_function":
+        while node not in self.leaves and node.op == "call_function" and not (stop is not None and stop(node)):
             if is_op(node, prims.convert_element_type.default):
                 src_dtype, dst = val(node.args[0]).dtype, val(node).dtype
                 if not (src_dtype == dst or (src_dtype in FP8_DTYPES and dst == torch.float32)):

@@ -138,6 +138,11 @@ class Match:
     cache: torch.fx.Node | None = None
     block_table: torch.fx.Node | None = None
     lens: torch.fx.Node | None = None  # context_lens (decode) / cu_seqlens (prefill)
+    # prefill K already gathered by the model: fp8 [N, 128] and fp32 [N] nodes read at key n (the gather stays)
+    k_plain: tuple[torch.fx.Node, torch.fx.Node] | None = None
+    cached_prefill: bool = False  # the prefill K read is proven to be the cache read of cu_seqlens' sequences
+    bounds: tuple[torch.fx.Node | None, torch.fx.Node] | None = None  # prefill (ks or None for 0, ke) graph inputs
+    row_lens: torch.fx.Node | None = None  # decode: keys visible to each query row, a graph input [rows]
 
 
 @dataclass
@@ -276,9 +281,37 @@ def factor_coords(s: Samples, target: torch.fx.Node) -> torch.Tensor:
 @dataclass
 class DotProof:
     q: torch.fx.Node  # the fp8 q tensor
-    k: tuple  # (source, coords, transforms) K's elements are read from
+    k: tuple | None  # (source, coords, transforms) K's elements are read from; None: the read could not be probed
     d: torch.Tensor  # [samples, HEAD_DIM] q dim of each contraction index
     head: torch.Tensor  # [samples] q head of each sample
+    k_plain: torch.fx.Node | None = None  # a plain fp8 [keys, 128] tensor read at (key, d), if K is one
+    k_why: str = ""  # why K's read could not be probed
+
+
+def try_locate(s: Samples, node: torch.fx.Node, coords: torch.Tensor) -> tuple[tuple | None, str]:
+    """``locate`` or ``(None, reason)``: metadata given as data may index out of the probe tensors' range."""
+    try:
+        return s.prober.locate(node, coords), ""
+    except NearMiss as miss:
+        return None, str(miss)
+
+
+def plain_read(s: Samples, node: torch.fx.Node, coords: torch.Tensor, dtypes: tuple, shape: list[int],
+               transforms: list, want: torch.Tensor) -> torch.fx.Node | None:
+    """The first tensor of ``dtypes`` and ``shape`` the elements are read from (through re-indexing and the exact
+    ``transforms``), if each element ``i`` is its row-major element ``want[i]``; else ``None``."""
+
+    def stop(n):
+        v = val(n)
+        return isinstance(v, torch.Tensor) and v.dtype in dtypes and shape_of(n) == shape
+
+    try:
+        leaf, leaf_coords, found = s.prober.locate(node, coords, stop)
+    except NearMiss:
+        return None
+    if not stop(leaf) or found != transforms or not torch.equal(linear(leaf_coords, shape), want):
+        return None
+    return leaf
 
 
 def prove_dot(s: Samples, dot: torch.fx.Node, leaves: set[torch.fx.Node]) -> DotProof:
@@ -294,9 +327,12 @@ def prove_dot(s: Samples, dot: torch.fx.Node, leaves: set[torch.fx.Node]) -> Dot
         a_c, b_c = torch.stack([dc[:, 0], dc[:, 1], kk], 1), torch.stack([dc[:, 0], kk, dc[:, 2]], 1)
     else:
         a_c, b_c = torch.stack([dc[:, 0], kk], 1), torch.stack([kk, dc[:, 1]], 1)
-    operands = [s.prober.locate(dot.args[0], a_c), s.prober.locate(dot.args[1], b_c)]
+    located = [try_locate(s, dot.args[0], a_c), try_locate(s, dot.args[1], b_c)]
+    operands = [found for found, _ in located]
     row_k, heads = s.s_row.repeat_interleave(k_dim), s.heads
     for qi in (0, 1):
+        if operands[qi] is None:
+            continue
         q_leaf, q_c, q_tr = operands[qi]
         if q_leaf in leaves or q_tr != [("convert", val(q_leaf).dtype, torch.float32)] or \
                 val(q_leaf).dtype not in FP8_DTYPES or math.prod(shape_of(q_leaf)) != s.rows * heads * HEAD_DIM:
@@ -315,14 +351,20 @@ def prove_dot(s: Samples, dot: torch.fx.Node, leaves: set[torch.fx.Node]) -> Dot
     head = head[:, 0]
     if not torch.equal(head.view(s.m, heads).sort(1).values, torch.arange(heads).expand(s.m, heads)):
         raise NearMiss(f"{s.sum_node.name} does not sum over the head axis")
-    return DotProof(q_leaf, operands[1 - qi], d, head)
+    fp8 = val(q_leaf).dtype
+    k_plain = plain_read(s, dot.args[1 - qi], (a_c, b_c)[1 - qi], (fp8,), [s.keys, k_dim],
+                         [("convert", fp8, torch.float32)], s.s_col.repeat_interleave(k_dim) * k_dim + d.flatten())
+    return DotProof(q_leaf, operands[1 - qi], d, head, k_plain, located[1 - qi][1])
 
 
 def prove_weights(s: Samples, weights: list[tuple], head: torch.Tensor) -> torch.fx.Node:
     """One fp32 ``[rows, H]`` factor outside the relu, read at ``(row, h)``."""
     if len(weights) != 1:
         raise NearMiss(f"{len(weights)} per-head weight factors, expected one")
-    _, w_inside, (w_leaf, w_c, w_tr) = weights[0]
+    w, w_inside, found = weights[0][:3]
+    if found is None:
+        raise NearMiss(f"the head weights {w.name} could not be probed")
+    w_leaf, w_c, w_tr = found
     if w_inside:
         raise NearMiss("the head weights are applied inside the relu")
     if w_tr or val(w_leaf).dtype != torch.float32 or math.prod(shape_of(w_leaf)) != s.rows * s.heads:
@@ -336,6 +378,8 @@ def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], d
                  match: Match) -> tuple[set[str], list[str]]:
     """K and k_scale read from one cache at the layout's offsets of a block-table slot: the families whose address
     form fits (a lone sequence from 0 fits both), and the reasons when none does."""
+    if dot.k is None or scale is None:
+        return set(), [f"the K read could not be probed ({dot.k_why or 'k_scale'})"]
     (k_leaf, k_c, k_tr), (s_leaf, s_c, s_tr) = dot.k, scale
     fp8, k_dim, P = val(dot.q).dtype, HEAD_DIM, layout.page_size
     k_cached = k_leaf in leaves and k_tr == [("view_dtype", torch.uint8, fp8), ("convert", fp8, torch.float32)]
@@ -371,6 +415,7 @@ def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], d
         pos = s.s_col - cu64[seq]
         if bool((pos // P < bt64.shape[1]).all()) and check(bt64[seq, pos // P] * P + pos % P):
             families.add("prefill")
+            match.lens = probes.cu_seqlens
     match.cache, match.block_table = k_leaf, probes.block_table
     if not families:
         return families, [f"K/k_scale are not read from the cache at the {layout} byte offsets of "
@@ -378,28 +423,56 @@ def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], d
     return families, []
 
 
+def row_inputs(s: Samples) -> list[tuple[torch.fx.Node, torch.Tensor]]:
+    """The probed 1-D integer graph inputs holding one value per logits row (bounds or lengths given as data)."""
+    return [(n, v.long()) for n, v in s.probes.values.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == s.rows and n.op == "placeholder"]
+
+
 def prove_mask(s: Samples, families: set[str], match: Match) -> tuple[str | None, list[str]]:
-    """The -inf mask is the decode or prefill visibility rule (of a family the K read allows)."""
+    """The -inf mask is a visibility rule of a family the K read allows: decode ``col <= ctx[b] - next_n + j`` or
+    ``col < lens[row]``, prefill ``cu[seq[t]] <= col <= t`` or ``ks[t] <= col < ke[t]`` (``lens``, ``ks``, ``ke``:
+    graph inputs with one value per row, taken as data: only their element-wise use is checked)."""
     allowed = families or {"decode", "prefill"}
     family = next(iter(families)) if len(families) == 1 else None
     probes, row, col = s.probes, s.row, s.col
-    if "decode" in allowed and probes.ctx_lens is not None and s.batch and s.rows % s.batch == 0:
+    decode_ok = "decode" in allowed and bool(s.batch) and s.rows % s.batch == 0
+    if decode_ok and probes.ctx_lens is not None:
         next_n = s.rows // s.batch
         ctx = probes.values[probes.ctx_lens].long()
-        match.lens = probes.ctx_lens
-        if not torch.equal(s.visible, col <= ctx[row // next_n] - next_n + row % next_n):
-            return "decode", ["the mask is not col <= context_lens[b] - next_n + j"]
-        return "decode", []
+        if torch.equal(s.visible, col <= ctx[row // next_n] - next_n + row % next_n):
+            match.lens = probes.ctx_lens
+            return "decode", []
     if "prefill" in allowed and probes.cu_seqlens is not None:
         cu = probes.values[probes.cu_seqlens].long()
         seq = torch.searchsorted(cu[1:], row, right=True)
-        match.lens = probes.cu_seqlens
-        if not torch.equal(s.visible, (col >= cu[seq]) & (col <= row)):
-            return "prefill", ["the mask is not cu_seqlens[seq[t]] <= s <= t"]
-        return "prefill", []
-    return family, ["the -inf mask does not read the context lengths / cu_seqlens of the block table's batch"
-                    if family is None or probes.ctx_lens is None and probes.cu_seqlens is None
-                    else f"the -inf mask does not fit the {family} form"]
+        if torch.equal(s.visible, (col >= cu[seq]) & (col <= row)):
+            match.lens = probes.cu_seqlens
+            return "prefill", []
+    inputs = row_inputs(s)
+    for end, end_v in inputs:
+        below = col < end_v[row]
+        if decode_ok and torch.equal(s.visible, below):
+            match.row_lens = end
+            return "decode", []
+        if "prefill" not in allowed:
+            continue
+        if torch.equal(s.visible, below):
+            match.bounds = (None, end)
+            return "prefill", []
+        for begin, begin_v in inputs:
+            if begin is not end and torch.equal(s.visible, below & (col >= begin_v[row])):
+                match.bounds = (begin, end)
+                return "prefill", []
+    if probes.ctx_lens is None and probes.cu_seqlens is None and not inputs:
+        return family, ["the -inf mask does not read the context lengths / cu_seqlens of the block table's batch, "
+                        "nor per-row bounds given as graph inputs"]
+    forms = []
+    if "decode" in allowed:
+        forms.append("col <= context_lens[b] - next_n + j, col < lens[row]")
+    if "prefill" in allowed:
+        forms.append("cu_seqlens[seq[t]] <= s <= t, ks[t] <= s < ke[t]")
+    return family, [f"the mask is not {', '.join(forms)} (lens, ks, ke: graph inputs, one value per row)"]
 
 
 def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCacheLayout,
@@ -411,14 +484,28 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     s, coords = sample_outputs(where, layout, leaves)
     prove_head_sum(s, sum_node, peel_mask(s, where, sum_node, coords))
     dot, others = prove_factors(s.x)
-    located = [(f, inside, s.prober.locate(f, factor_coords(s, f))) for f, inside in others]
-    scale = [e for e in located if e[2][0] in leaves or e[2][2] == [("view_dtype", torch.uint8, torch.float32)]]
+    located = []
+    for f, inside in others:
+        coords = factor_coords(s, f)
+        plain = plain_read(s, f, coords, (torch.float32,), [s.keys], [], s.s_col)
+        located.append((f, inside, try_locate(s, f, coords)[0], plain))
+    scale = [e for e in located if e[3] is not None or e[2] is not None and (
+        e[2][0] in leaves or e[2][2] == [("view_dtype", torch.uint8, torch.float32)])]
     q = prove_dot(s, dot, leaves)
     w = prove_weights(s, [e for e in located if e not in scale], q.head)
     if len(scale) != 1:
         raise NearMiss(f"{len(scale)} k_scale factors, expected one")
     match = Match("", where, q.q, w, s.heads, s.rows, s.keys)
-    families, reasons = prove_k_read(s, layout, leaves, q, scale[0][2], match)
+    plain = (q.k_plain, scale[0][3]) if q.k_plain is not None and scale[0][3] is not None else None
+    try:
+        families, reasons = prove_k_read(s, layout, leaves, q, scale[0][2], match)
+    except NearMiss:
+        if plain is None:
+            raise
+        families, reasons = set(), []
+    match.cached_prefill = "prefill" in families
+    if plain is not None:  # K and k_scale as plain [N, 128] / [N] tensors read at key n: prefill on those tensors
+        match.k_plain, families, reasons = plain, families | {"prefill"}, []
     family, mask_reasons = prove_mask(s, families, match)
     if reasons or mask_reasons:
         raise NearMiss("; ".join(reasons + mask_reasons), family)
