@@ -457,7 +457,7 @@ def sweep_plot(result: dict, path: pathlib.Path) -> None:
     panels += [("prefill", 1)] if any(r["kind"] == "prefill" for r in rows) else []
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
     colors = {"eager": "tab:gray", "inductor": "tab:blue", "nsa_rocm": "tab:red"}
     for ax, (kind, batch) in zip(axes[0], panels):
         for variant in VARIANTS:
@@ -473,10 +473,11 @@ def sweep_plot(result: dict, path: pathlib.Path) -> None:
         ax.set_xlabel("context tokens" if kind == "decode" else "tokens T")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("µs per step (median)")
-    axes[0][-1].legend(fontsize=7)
+    handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8)
     fig.suptitle(f"{result['meta']['config']}, {result['meta']['device']}, layout {result['meta']['layout']}, "
                  f"max_model_len {result['meta']['max_model_len']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"plot: {path}", flush=True)
