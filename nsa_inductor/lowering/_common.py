@@ -68,6 +68,37 @@ def contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_MAX_SIGNATURES = 4096
+
+
+def once_per_signature(validate):
+    """``validate`` (an op's argument checks) that runs once per call signature on real tensors: shapes, dtypes,
+    devices, contiguity and the other arguments. The checks read nothing else, so a call that repeats a signature
+    (every step of a serving loop) is known to pass and skips them. Fake and other subclass tensors (the fake
+    impl, under tracing: symbolic shapes) are always checked in full."""
+    seen: dict[tuple, None] = {}
+
+    @functools.wraps(validate)
+    def checked(*args) -> None:
+        key = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if type(a) not in _PLAIN_TENSORS:
+                    validate(*args)
+                    return
+                a = (a.shape, a.dtype, a.device, a.is_contiguous())
+            key.append(a)
+        key = tuple(key)
+        if key not in seen:
+            validate(*args)
+            if len(seen) >= _MAX_SIGNATURES:
+                seen.clear()
+            seen[key] = None
+
+    return checked
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
@@ -104,8 +135,10 @@ def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype, **stat
 _MODULES = {"aiter": "aiter", "triton": "triton", "torch": "reference"}
 
 
+@functools.cache
 def _function(op: str, backend: str):
-    """``op``'s function in its package's ``reference``, ``triton`` or ``aiter`` module."""
+    """``op``'s function in its package's ``reference``, ``triton`` or ``aiter`` module (looked up once: the
+    import machinery costs microseconds per call)."""
     return getattr(importlib.import_module(f"{__package__}.{op}.{_MODULES[backend]}"), op)
 
 

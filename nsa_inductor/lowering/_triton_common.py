@@ -12,6 +12,17 @@ import triton
 import triton.language as tl
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints, for launch grids: ``triton.cdiv`` is a constexpr function, whose host calls
+    cost microseconds each (argument unwrapping), on every op call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1), without ``triton.next_power_of_2``'s per-call cost."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def interpreted(kernel) -> bool:
     """True under TRITON_INTERPRET=1, where kernels run in numpy on the host."""
     return not isinstance(kernel, triton.runtime.JITFunction)

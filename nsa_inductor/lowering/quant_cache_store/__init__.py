@@ -11,11 +11,13 @@ import torch
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
 from .._common import INT_TYPES, check, check_devices, check_fp8, check_layout, contiguous, implementation
+from .._common import once_per_signature
 
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@once_per_signature
 def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)

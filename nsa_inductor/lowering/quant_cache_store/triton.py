@@ -6,6 +6,8 @@ device, also under the Triton interpreter.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -14,6 +16,7 @@ from triton.language.extra import libdevice
 
 from ...quant import AMAX_FLOOR, fp8_max
 from .._triton_common import interpreted, round_to_bf16, scale_offsets, value_offsets
+from .._triton_common import cdiv
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
@@ -104,6 +107,14 @@ def _quant_store_kernel(
 _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+@functools.cache
+def _fp8_constants(fp8_dtype: torch.dtype) -> tuple[float, float]:
+    """``(fmax, 1/fmax)`` of the fp8 type, the reciprocal rounded to fp32 as torch computes it on GPUs; once per
+    type (finfo and numpy cost microseconds per call)."""
+    fmax = fp8_max(fp8_dtype)
+    return fmax, float(np.float32(1.0) / np.float32(fmax))
+
+
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, block_t: int = 4):
     """One launch: quantize ``k [T,128]`` (after the input epilogue) and store it into ``cache`` at
@@ -111,9 +122,9 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    fmax = fp8_max(fp8_dtype)
+    fmax, inv_fmax = _fp8_constants(fp8_dtype)
     kernel = _quant_store_kernel
-    kernel[(triton.cdiv(num_tokens, block_t),)](
+    kernel[(cdiv(num_tokens, block_t),)](
         k,
         k.stride(0),
         slot_mapping,
@@ -123,7 +134,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         INPUT_SCALE=float(input_scale),
         ROUND_TO=_ROUND_TO[input_dtype],
         FMAX=fmax,
-        INV_FMAX=float(np.float32(1.0) / np.float32(fmax)),
+        INV_FMAX=inv_fmax,
         UE8M0=scale_fmt == "ue8m0",
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_common import next_power_of_2
+
 # Rows up to this many columns stay in registers; longer rows are streamed in blocks of this size.
 MAX_BLOCK = 8192
 # Up to this k, and this many rows, the survivors are sorted in registers by the kernel itself (one sort per
@@ -135,7 +137,7 @@ def _topk_indices_kernel(logits, lengths, offset, out, n_cols, stride_row, k,
 
 def block_for(n_cols: int) -> int:
     """Columns held in registers for rows of ``n_cols``: the whole row up to ``MAX_BLOCK``."""
-    return min(max(triton.next_power_of_2(n_cols), 128), MAX_BLOCK)
+    return min(max(next_power_of_2(n_cols), 128), MAX_BLOCK)
 
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None):
@@ -152,7 +154,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         logits, lengths if lengths is not None else logits, offset if offset is not None else logits, out,
         n_cols, logits.stride(0), k,
         HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column",
-        SORTED=sort_in_kernel, BLOCK=block, ONE_BLOCK=n_cols <= block, K_POW2=triton.next_power_of_2(k),
+        SORTED=sort_in_kernel, BLOCK=block, ONE_BLOCK=n_cols <= block, K_POW2=next_power_of_2(k),
         num_warps=4 if rows >= 1024 or block <= 1024 else 8,
     )
     if sorted and not sort_in_kernel:
