@@ -433,7 +433,8 @@ def sweep_tables(result: dict) -> tuple[str, str]:
         ratio = _ratio(by_key, nsa, "inductor") if nsa and ind else "-"
         short.append(f"| {cell} | " + " | ".join(f"{r['us']:.1f}" if r and "us" in r else "-" for r in cells)
                      + f" | {ratio} |")
-    compiles = ["| variant | entry | first cell | compile s | graphs | nsa passes matched |", "|---|---|---|---:|---:|---|"]
+    compiles = ["| variant | entry | first cell | compile s | graphs | nsa passes matched |",
+                "|---|---|---|---:|---:|---|"]
     for c in result.get("compiles", []):
         if "cell" in c:
             compiles.append(f"| {c['variant']} | {c['kind']} | {c['cell']} | {c['seconds']:.1f} | "

@@ -324,7 +324,8 @@ def main() -> None:
     parser.add_argument("--ragged-config", action="append", metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
                         help="ragged logits config to try (repeatable; default: the kernel's)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference timings")
-    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "topk", "host"], action="append",
+    parser.add_argument("--only", action="append",
+                        choices=["paged", "ragged", "quant", "gather", "head_gate", "topk", "host"],
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -5,7 +5,8 @@ Checks read metadata only, so the fakes run them too. Dispatch per call: CPU ten
 aiter_refusal`` decides from static facts: versions, gfx arch, layout, head count), else its ``triton`` module; on
 other GPUs its ``triton`` module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8 type has no Triton
 type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte copy and stays on
-Triton for both fp8 types.
+Triton for both fp8 types. On real tensors the checks run once per call signature (``once_per_signature``): the
+host cost of a call is paid on every step of a serving loop.
 """
 
 from __future__ import annotations
