@@ -251,7 +251,8 @@ def bench_host(args, rows: list[dict]) -> None:
     """Host cost of one call of each nsa op at decode sizes (DeepSeek-V3.2, B=64, ctx 8192; the prefill ops at
     T=256): back-to-back calls through ``torch.ops.nsa`` (as compiled code calls them), the launcher alone (the
     Triton launch without custom-op dispatch and checks), and a plain torch op on the op's output (``torch.clone``),
-    each against its GPU time (CUDA events over replays of a CUDA graph of the calls)."""
+    each against its GPU time (CUDA events over replays of a CUDA graph of the calls); then the floor of
+    custom-op dispatch (``_custom_op_floor``)."""
     nsa = torch.ops.nsa
     inputs = _paged_inputs(64, 8192, LAYOUTS["paged"])
     q, cache, weights, context_lens, block_table = inputs[:5]
@@ -287,15 +288,50 @@ def bench_host(args, rows: list[dict]) -> None:
                      "gpu_us": _graph_us(lambda: op(*call)), "launcher_issue_us": launch_issue,
                      "torch_issue_us": torch_issue, "torch_wall_us": torch_wall,
                      "torch_gpu_us": _graph_us(lambda: torch.clone(plain)), "torch_case": f"clone {list(plain.shape)}"})
+    _custom_op_floor(rows)
+
+
+def _custom_op_floor(rows: list[dict]) -> None:
+    """What ``torch.library.custom_op`` dispatch alone costs: two ops whose bodies do nothing, shaped like the nsa
+    ops (a mutating one with nine arguments, like ``quant_cache_store``)."""
+    lib = "nsa_bench"
+    if not hasattr(torch.ops, lib) or not hasattr(getattr(torch.ops, lib), "noop"):
+        out = torch.empty(1, device=DEV)
+
+        @torch.library.custom_op(f"{lib}::noop", mutates_args=())
+        def noop(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor, n: int,
+                 p: int, s: bool) -> torch.Tensor:
+            return out
+
+        noop.register_fake(lambda a, b, c, d, e, n, p, s: torch.empty_like(a))
+
+        @torch.library.custom_op(f"{lib}::noop_mutating", mutates_args=("b",))
+        def noop_mutating(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, p: int, s: bool, f: str,
+                          dt: torch.dtype = torch.float8_e4m3fn, x: float = 1.0,
+                          dt2: torch.dtype | None = None) -> None:
+            return None
+
+    x = torch.zeros(64, device=DEV)
+    ops = getattr(torch.ops, lib)
+    for case, fn in (("8 arguments", lambda: ops.noop(x, x, x, x, x, 1, 2, True)),
+                     ("mutating, 9 arguments", lambda: ops.noop_mutating(x, x, x, 64, False, "ue8m0",
+                                                                         torch.float8_e4m3fn, 0.5, torch.bfloat16))):
+        wall, issue = _host_us(fn)
+        rows.append({"kernel": "custom_op doing nothing", "case": case, "host": True, "wall_us": wall,
+                     "issue_us": issue, "gpu_us": None, "launcher_issue_us": None, "torch_issue_us": None,
+                     "torch_wall_us": None, "torch_gpu_us": None, "torch_case": "-"})
 
 
 def host_markdown(rows: list[dict]) -> str:
     lines = ["| op | case | wall µs/call | host µs/call | GPU µs | launcher alone: host µs | torch op | "
              "its wall µs | its host µs | its GPU µs |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    def us(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
     for r in rows:
-        lines.append(f"| {r['kernel']} | {r['case']} | {r['wall_us']:.1f} | {r['issue_us']:.1f} | {r['gpu_us']:.1f} | "
-                     f"{r['launcher_issue_us']:.1f} | {r['torch_case']} | {r['torch_wall_us']:.1f} | "
-                     f"{r['torch_issue_us']:.1f} | {r['torch_gpu_us']:.1f} |")
+        lines.append(f"| {r['kernel']} | {r['case']} | {us(r['wall_us'])} | {us(r['issue_us'])} | {us(r['gpu_us'])} | "
+                     f"{us(r['launcher_issue_us'])} | {r['torch_case']} | {us(r['torch_wall_us'])} | "
+                     f"{us(r['torch_issue_us'])} | {us(r['torch_gpu_us'])} |")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nsa_inductor.lowering._common import once_per_signature
+from nsa_inductor.lowering.quant_cache_store.reference import quant_cache_store as reference
 
 
 def _counting():
@@ -76,3 +77,16 @@ def test_host_launch_arithmetic_equals_triton():
 
     assert all(next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 4097))
     assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in range(1, 40))
+
+
+def test_quant_cache_store_bumps_the_cache_version_once_per_call():
+    """Its ADInplaceOrView kernel is the project's (``register_version_bump``): the mutation stays visible to
+    autograd's version check, the bytes land in the cache, the other arguments keep their versions."""
+    cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
+    k, slots = torch.randn(3, 128), torch.tensor([0, 5, 70])
+    versions = cache._version, k._version, slots._version
+    torch.ops.nsa.quant_cache_store(k, cache, slots, 64, False, "ue8m0")
+    assert (cache._version, k._version, slots._version) == (versions[0] + 1, *versions[1:])
+    expected = torch.zeros_like(cache)
+    reference(k, expected, slots, 64, False, "ue8m0", torch.float8_e4m3fn)
+    assert torch.equal(cache, expected)
