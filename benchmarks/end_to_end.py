@@ -186,9 +186,13 @@ class SweepRunner:
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
         batches, contexts, lengths = SWEEP_GRID[args.grid]
-        self.max_model_len = args.max_model_len or max(contexts + lengths)
         config = getattr(IndexerConfig, args.config)()
         config = config.small() if args.grid == "small" else config
+        # The model's own max_model_len (65536; 1024 small), wider than every cell: a cell whose block table spans
+        # the whole logits row compiles another graph (its slice write covers the buffer, nothing is left to fill).
+        self.max_model_len = args.max_model_len or config.max_model_len
+        if self.max_model_len < max(contexts + lengths):
+            raise SystemExit(f"--max-model-len {self.max_model_len} is below the grid's largest context")
         self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
         decision = select_layout(args.layout)
         self.layout: KCacheLayout = decision.layout
@@ -579,7 +583,7 @@ def main() -> None:
     sweep.add_argument("--cells", default=None,
                        help="subset, comma-separated: decode, prefill, B<b>, B<b>x<ctx>, T<t> (e.g. B1,B8 or T8192)")
     sweep.add_argument("--max-model-len", type=int, default=None,
-                       help="logits width of decode (default: the grid's largest ctx, whichever cells run)")
+                       help="decode logits width (default: the config's, 65536; every cell shares it)")
     sweep.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
     sweep.add_argument("--prefill-inductor", action="store_true", help="run default Inductor's prefill too")
     sweep.add_argument("--deadline", type=float, default=None, help="Unix time after which no new cell starts")
