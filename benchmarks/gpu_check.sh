@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host]
 # topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
 # torch's order and set order, B=1 ctx 32768).
 # rotate: GPU tests, the fused Hadamard rotation's kernels against eager/cuBLAS, its numerics against eager
 # (docs/numerics.md), a CUDA-graph decode step at B=64 and B=8.
+# sweep: `end_to_end.py --sweep` (no GPU tests): cells start until SWEEP_BUDGET_S (default 420) seconds after this
+# script started, the rest are listed as not run; SWEEP_CELLS picks cells (e.g. "B1,prefill"), SWEEP_ARGS adds
+# options, SWEEP_PREVIOUS=path/sweep.json (a file in the working tree) is appended to. Results: $OUT/sweep/.
+# host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`).
 set -uo pipefail
+start=$(date +%s)
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
 OUT=${OUT:-/tmp/nsa_gpu_out}
@@ -26,7 +31,7 @@ if [ "$mode" = "numerics" ] || [ "$mode" = "rotate" ]; then
   python3 benchmarks/rotation_numerics.py --device cuda 2>&1 | tee "$OUT/rotation_numerics.log" | grep -v '^$'
 fi
 
-if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ]; then
+if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ] && [ "$mode" != "sweep" ] && [ "$mode" != "host" ]; then
   python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -45,6 +50,14 @@ case "$mode" in
             | tail -n 6
           python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --batch 8 --out "$OUT/e2e_cg_b8" 2>&1 \
             | tee "$OUT/e2e_cg_b8.log" | tail -n 6 ;;
+  sweep) mkdir -p "$OUT/sweep"
+         [ -n "${SWEEP_PREVIOUS:-}" ] && cp "$SWEEP_PREVIOUS" "$OUT/sweep/sweep.json"
+         python3 benchmarks/end_to_end.py --sweep ${SWEEP_CELLS:+--cells "$SWEEP_CELLS"} ${SWEEP_ARGS:-} \
+           --deadline $(( start + ${SWEEP_BUDGET_S:-420} )) --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log" \
+           | grep -E '^(decode|prefill) ' | tail -n 12
+         summary+=("sweep: full table $OUT/sweep/sweep.md, plot $OUT/sweep/sweep.png, log $OUT/sweep.log")
+         [ -f "$OUT/sweep/sweep.md" ] && sed -n '/^| variant | entry/,/^$/p' "$OUT/sweep/sweep.md" ;;
+  host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3 ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \
@@ -64,4 +77,8 @@ fi
 
 printf '%s\n' "${summary[@]}"
 [ -f "$OUT/bench/results.md" ] && cat "$OUT/bench/results.md"
+if [ "$mode" = "sweep" ] && [ -f "$OUT/sweep/sweep_short.md" ]; then
+  cat "$OUT/sweep/sweep_short.md"
+  grep '^not run' "$OUT/sweep/sweep.md"
+fi
 exit 0

@@ -7,6 +7,8 @@ Timings are ``triton.testing.do_bench`` medians; do_bench clears L2 (writes a 25
 so K-cache reads come from HBM. Inputs are random (never zeros). Bandwidth counts K values + scales read, q,
 weights and the output written; the prefill counts 2*H*128 flops per visible (t, n) pair of the causal half.
 Floors (DESIGN §6): 4.3 TB/s copy bandwidth and ~1979 TFLOP/s dense fp8 on an H200.
+
+``--only host``: what one call of each op costs the host (``bench_host``), next to a plain torch op, same run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import importlib
 import json
 import pathlib
 import sys
+import time
 
 import torch
 
@@ -318,12 +321,118 @@ def bench_topk(args, rows: list[dict]) -> None:
         del logits
 
 
+def _host_us(fn, calls: int = 200) -> tuple[float, float]:
+    """``(wall, issue)`` µs per call of ``calls`` back-to-back calls, medians of 5 rounds: wall = until the GPU has
+    finished them all, issue = until the host has launched them all (the host cost when it exceeds the GPU time)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    walls, issues = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - start) / calls * 1e6)
+        issues.append((issued - start) / calls * 1e6)
+    return sorted(walls)[2], sorted(issues)[2]
+
+
+def bench_host(args, rows: list[dict]) -> None:
+    """Host cost of one call of each nsa op at decode sizes (DeepSeek-V3.2, B=64, ctx 8192; the prefill ops at
+    T=256): back-to-back calls through ``torch.ops.nsa`` (as compiled code calls them), the launcher alone (the
+    Triton launch without custom-op dispatch and checks), and a plain torch op on the op's output (``torch.clone``),
+    each against its GPU time (CUDA events over replays of a CUDA graph of the calls); then the floor of
+    custom-op dispatch (``_custom_op_floor``)."""
+    nsa = torch.ops.nsa
+    inputs = _paged_inputs(64, 8192, LAYOUTS["paged"])
+    q, cache, weights, context_lens, block_table = inputs[:5]
+    k = torch.randn(64, 128, device=DEV).bfloat16()
+    slots = torch.randperm(cache.shape[0] * 64, device=DEV)[:64]
+    logits = torch.randn(64, 8192, device=DEV)
+    x = torch.randn(64, 7168, device=DEV).bfloat16()
+    gate_weight = torch.randn(64, 7168, device=DEV) * 7168**-0.5
+    tokens = 256
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
+    k_fp8, k_scale = nsa.gather_k(cache, block_table[:1], cu, 64, False, tokens, torch.float8_e4m3fn)
+    q_prefill = _random_fp8((tokens, 64, 128))
+    w_prefill = torch.randn(tokens, 64, device=DEV)
+    ks = torch.zeros(tokens, dtype=torch.int32, device=DEV)
+    ke = torch.arange(1, tokens + 1, dtype=torch.int32, device=DEV)
+    store = (k, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, 128**-0.5, torch.bfloat16)
+    cases = [
+        ("quant_cache_store", "T=64, with the Hadamard epilogue", store),
+        ("paged_mqa_logits", "B=64 ctx=8192", (q, cache, weights, context_lens, block_table, 8192, 64, False)),
+        ("topk_indices", "64x8192 k=2048 sorted", (logits, 2048, context_lens, None, "neg1", True)),
+        ("head_gate_gemm", "M=64 K=7168 split", (x, gate_weight, 4, False)),
+        ("gather_k", f"T={tokens}", (cache, block_table[:1], cu, 64, False, tokens, torch.float8_e4m3fn)),
+        ("mqa_logits", f"T={tokens}", (q_prefill, k_fp8, k_scale, w_prefill, ks, ke)),
+    ]
+    for name, case, call in cases:
+        op, launcher = getattr(nsa, name), getattr(_op(name)[0], name)
+        out = op(*call)
+        plain = k if out is None else out[0] if isinstance(out, tuple) else out
+        wall, issue = _host_us(lambda: op(*call))
+        _, launch_issue = _host_us(lambda: launcher(*call))
+        torch_wall, torch_issue = _host_us(lambda: torch.clone(plain))
+        rows.append({"kernel": name, "case": case, "host": True, "wall_us": wall, "issue_us": issue,
+                     "gpu_us": _graph_us(lambda: op(*call)), "launcher_issue_us": launch_issue,
+                     "torch_issue_us": torch_issue, "torch_wall_us": torch_wall,
+                     "torch_gpu_us": _graph_us(lambda: torch.clone(plain)), "torch_case": f"clone {list(plain.shape)}"})
+    _custom_op_floor(rows)
+
+
+def _custom_op_floor(rows: list[dict]) -> None:
+    """What ``torch.library.custom_op`` dispatch alone costs: two ops whose bodies do nothing, shaped like the nsa
+    ops (a mutating one with nine arguments, like ``quant_cache_store``)."""
+    lib = "nsa_bench"
+    if not hasattr(torch.ops, lib) or not hasattr(getattr(torch.ops, lib), "noop"):
+        out = torch.empty(1, device=DEV)
+
+        @torch.library.custom_op(f"{lib}::noop", mutates_args=())
+        def noop(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor, n: int,
+                 p: int, s: bool) -> torch.Tensor:
+            return out
+
+        noop.register_fake(lambda a, b, c, d, e, n, p, s: torch.empty_like(a))
+
+        @torch.library.custom_op(f"{lib}::noop_mutating", mutates_args=("b",))
+        def noop_mutating(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, p: int, s: bool, f: str,
+                          dt: torch.dtype = torch.float8_e4m3fn, x: float = 1.0,
+                          dt2: torch.dtype | None = None) -> None:
+            return None
+
+    x = torch.zeros(64, device=DEV)
+    ops = getattr(torch.ops, lib)
+    for case, fn in (("8 arguments", lambda: ops.noop(x, x, x, x, x, 1, 2, True)),
+                     ("mutating, 9 arguments", lambda: ops.noop_mutating(x, x, x, 64, False, "ue8m0",
+                                                                         torch.float8_e4m3fn, 0.5, torch.bfloat16))):
+        wall, issue = _host_us(fn)
+        rows.append({"kernel": "custom_op doing nothing", "case": case, "host": True, "wall_us": wall,
+                     "issue_us": issue, "gpu_us": None, "launcher_issue_us": None, "torch_issue_us": None,
+                     "torch_wall_us": None, "torch_gpu_us": None, "torch_case": "-"})
+
+
+def host_markdown(rows: list[dict]) -> str:
+    lines = ["| op | case | wall µs/call | host µs/call | GPU µs | launcher alone: host µs | torch op | "
+             "its wall µs | its host µs | its GPU µs |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    def us(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['case']} | {us(r['wall_us'])} | {us(r['issue_us'])} | {us(r['gpu_us'])} | "
+                     f"{us(r['launcher_issue_us'])} | {r['torch_case']} | {us(r['torch_wall_us'])} | "
+                     f"{us(r['torch_issue_us'])} | {us(r['torch_gpu_us'])} |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| kernel | case | µs | torch µs | speedup | achieved | floor µs | % of floor | config |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in rows:
+    for r in (r for r in rows if not r.get("host")):
         torch_us = f"{r['torch_us']:.1f}" if r["torch_us"] else "skipped"
         speedup = f"{r['torch_us'] / r['us']:.1f}x" if r["torch_us"] else "-"
         achieved = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['gbps']:.0f} GB/s"
@@ -346,9 +455,8 @@ def main() -> None:
     parser.add_argument("--xgemm-config", action="append",
                         metavar="BLOCK_M,GATE_BLOCK_N,K_BLOCK_N,BLOCK_K,WARPS,STAGES,GATE_SPLITS,K_SPLITS",
                         help="wk_gate_gemm config to try besides the sweep (repeatable)")
-    parser.add_argument("--only", choices=["paged", "ragged", "quant", "gather", "head_gate", "xgemm", "topk",
-                                           "rotate"],
-                        action="append",
+    parser.add_argument("--only", action="append",
+                        choices=["paged", "ragged", "quant", "gather", "head_gate", "xgemm", "topk", "rotate", "host"],
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -356,15 +464,20 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
-               "head_gate": bench_head_gate, "xgemm": bench_xgemm, "topk": bench_topk, "rotate": bench_rotate}
+               "head_gate": bench_head_gate, "xgemm": bench_xgemm, "topk": bench_topk, "rotate": bench_rotate,
+               "host": bench_host}
+    selected = args.only or [name for name in benches if name != "host"]  # host: only when asked for
     for name, bench in benches.items():
-        if not args.only or name in args.only:
+        if name in selected:
             bench(args, rows)
             print(f"done: {name}", flush=True)
     for r in rows:
         for cfg, us in r.get("sweep", {}).items():
             print(f"{r['kernel']:18s} {r['case']:40s} {us:9.1f} µs  {cfg}")
     table = markdown(rows)
+    host_rows = [r for r in rows if r.get("host")]
+    if host_rows:
+        table = host_markdown(host_rows) if len(host_rows) == len(rows) else f"{table}\n\n{host_markdown(host_rows)}"
     device = torch.cuda.get_device_name(0)
     header = f"device: {device}, torch {torch.__version__}"
     if args.out:

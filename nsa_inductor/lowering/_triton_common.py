@@ -8,6 +8,8 @@ element of its outputs and never reads a device value on the host, so all of the
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -17,6 +19,17 @@ from triton.language.extra import libdevice
 from ..quant import AMAX_FLOOR
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints, for launch grids: ``triton.cdiv`` is a constexpr function, whose host calls
+    cost microseconds each (argument unwrapping), on every op call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1), without ``triton.next_power_of_2``'s per-call cost."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def interpreted(kernel) -> bool:
@@ -116,8 +129,10 @@ def scale_constants(scale: float, divide: bool) -> dict:
     return {"SCALE": float(scale), "INV_SCALE": float(np.float32(1.0) / np.float32(scale)), "DIVIDE": bool(divide)}
 
 
+@functools.cache
 def quantize_constants(fp8_dtype: torch.dtype, fmax: float, scale_fmt: str) -> dict:
-    """The constexpr arguments of :func:`quantize_rows` for one fp8 type, clamp bound and scale format."""
+    """The constexpr arguments of :func:`quantize_rows` for one fp8 type, clamp bound and scale format (once each:
+    finfo and numpy cost microseconds per call; callers unpack the dict, never change it)."""
     return {"FMAX": fmax, "INV_FMAX": float(np.float32(1.0) / np.float32(fmax)), "UE8M0": scale_fmt == "ue8m0",
             "MIN_EXP": 1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
             "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn}

@@ -9,8 +9,10 @@ import torch
 
 from ...layout import HEAD_DIM
 from .._common import check, check_devices, check_fp8, check_layout, contiguous, describe, implementation
+from .._common import once_per_signature
 
 
+@once_per_signature
 def _validate(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype) -> None:
     check_fp8("fp8_dtype", fp8_dtype)
     check_layout(cache, page_size, preshuffle)

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from ...layout import HEAD_DIM
 from .._triton_common import scale_offsets, value_offsets
+from .._triton_common import cdiv
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, 
     k_out, scale_out = out
     if num_tokens:
         batch = block_table.shape[0]
-        _gather_k_kernel[(triton.cdiv(num_tokens, block_r),)](
+        _gather_k_kernel[(cdiv(num_tokens, block_r),)](
             cache,
             cache.view(torch.float32),
             block_table,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from .._common import check, check_devices, describe, triton_or_reference
+from .._common import once_per_signature
 
 
+@once_per_signature
 def _validate(x, weight, splits, round_weight) -> None:
     check("x", x, (None, None), (torch.bfloat16,), "[M, K]")
     k = x.shape[1]

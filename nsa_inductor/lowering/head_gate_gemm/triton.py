@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import dot_bf16, interpreted, round_to_bf16, split_bf16
+from .._triton_common import cdiv, dot_bf16, interpreted, round_to_bf16, split_bf16
 from .reference import HEAD_GATE_K_ALIGN, head_gate_chunk
 
 
@@ -64,6 +65,7 @@ class HeadGateConfig:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=1024)  # per shape; a config is built once
 def _default_head_gate_config(rows: int) -> HeadGateConfig:
     """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 64 else 64
@@ -90,7 +92,7 @@ def head_gate_gemm(x, weight, splits, round_weight, out=None, config: HeadGateCo
         return out
     cfg = config or _default_head_gate_config(rows)
     mode = weight_mode(weight, round_weight)
-    grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    grid = (cdiv(rows, cfg.block_m), cdiv(n, cfg.block_n), splits)
     kernel = _head_gate_gemm_kernel
     kernel[grid](x, weight, out, rows, n, k, head_gate_chunk(k, splits), *x.stride(), *weight.stride(), WEIGHT=mode,
                  ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -10,8 +10,10 @@ import torch
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
 from .._common import check, check_devices, contiguous, implementation
+from .._common import once_per_signature
 
 
+@once_per_signature
 def _validate(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
     check("q_fp8", q_fp8, (None, None, HEAD_DIM), FP8_DTYPES, "[T, H, 128]")
     tokens, heads, _ = q_fp8.shape

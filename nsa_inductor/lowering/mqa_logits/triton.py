@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_common import cdiv
+
 
 @dataclass(frozen=True)
 class RaggedConfig:
@@ -79,7 +81,7 @@ def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, out=None, config: RaggedC
         out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q_fp8.device)
     if tokens == 0 or num_keys == 0:
         return out
-    _mqa_logits_kernel[(triton.cdiv(num_keys, cfg.block_n), triton.cdiv(tokens, cfg.block_m))](
+    _mqa_logits_kernel[(cdiv(num_keys, cfg.block_n), cdiv(tokens, cfg.block_m))](
         q_fp8,
         k_fp8,
         k_scale,

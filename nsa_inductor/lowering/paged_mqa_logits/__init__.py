@@ -11,8 +11,10 @@ import torch
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
 from .._common import check, check_devices, check_layout, contiguous, describe, implementation
+from .._common import once_per_signature
 
 
+@once_per_signature
 def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle) -> None:
     check("q_fp8", q_fp8, (None, None, None, HEAD_DIM), FP8_DTYPES, "[B, next_n, H, 128]")
     batch, next_n, heads, _ = q_fp8.shape

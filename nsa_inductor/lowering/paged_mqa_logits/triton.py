@@ -5,6 +5,7 @@ Small batches split their context into finer chunks so that the GPU has enough p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .._triton_common import scale_offsets, value_offsets
+from .._triton_common import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,10 @@ PAGED_CONFIG = PagedConfig()
 PAGED_MIN_PROGRAMS = 256  # about two waves on an H200 (132 SMs): small batches split their context finer
 
 
+@functools.lru_cache(maxsize=1024)  # per shape; a config is built once
 def _default_paged_config(batch: int, max_len: int) -> PagedConfig:
     chunk = PAGED_CONFIG.chunk
-    while chunk > PAGED_CONFIG.block_n and batch * triton.cdiv(max_len, chunk) < PAGED_MIN_PROGRAMS:
+    while chunk > PAGED_CONFIG.block_n and batch * cdiv(max_len, chunk) < PAGED_MIN_PROGRAMS:
         chunk //= 2
     return PagedConfig(chunk, PAGED_CONFIG.block_n, PAGED_CONFIG.num_warps, PAGED_CONFIG.num_stages)
 
@@ -121,7 +124,7 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
     if batch == 0 or max_len == 0:
         return out
-    _paged_mqa_logits_kernel[(batch, triton.cdiv(max_len, cfg.chunk))](
+    _paged_mqa_logits_kernel[(batch, cdiv(max_len, cfg.chunk))](
         q_fp8,
         cache.view(q_fp8.dtype),
         cache.view(torch.float32),
@@ -136,8 +139,8 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         block_table.shape[1],
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
-        NEXT_N=triton.next_power_of_2(next_n),
-        HEADS_PAD=max(16, triton.next_power_of_2(heads)),
+        NEXT_N=next_power_of_2(next_n),
+        HEADS_PAD=max(16, next_power_of_2(heads)),
         CHUNK=cfg.chunk,
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,

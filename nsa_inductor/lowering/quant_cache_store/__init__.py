@@ -12,12 +12,13 @@ import torch
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
 from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rotation, contiguous,
-                      implementation)
+                      implementation, once_per_signature, register_version_bump)
 
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@once_per_signature
 def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
@@ -66,3 +67,6 @@ def quant_cache_store(
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
       input_dtype=None, input_divide=False, rotation=None):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
+
+
+register_version_bump(quant_cache_store, mutated=1)  # the cache

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...quant import fp8_max
-from .._triton_common import (interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
+from .._triton_common import (cdiv, interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
                               scale_constants, scale_offsets, scale_rows, value_offsets)
 
 
@@ -82,7 +82,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
     block_t = block_t or (4 if rotation is None else 16)
     rot = k if rotation is None else rotation  # any pointer: not read without a rotation
     kernel = _quant_store_kernel
-    kernel[(triton.cdiv(num_tokens, block_t),)](
+    kernel[(cdiv(num_tokens, block_t),)](
         k,
         k.stride(0),
         slot_mapping,

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .._common import INT_TYPES, check, check_devices, contiguous, implementation
+from .._common import INT_TYPES, check, check_devices, contiguous, implementation, once_per_signature
 
 
 PADS = ("neg1", "column")
 
 
+@once_per_signature
 def _validate(logits, k, lengths, offset, pad) -> None:
     check("logits", logits, (None, None), (torch.float32,), "[R, N]")
     rows, cols = logits.shape

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_common import next_power_of_2
+
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
 MAX_BLOCK = 8192
@@ -191,7 +193,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
 
 def block_for(n_cols: int) -> int:
     """Columns held in registers for rows of ``n_cols``: the whole row up to ``MAX_BLOCK``."""
-    return min(max(triton.next_power_of_2(n_cols), 128), MAX_BLOCK)
+    return min(max(next_power_of_2(n_cols), 128), MAX_BLOCK)
 
 
 def segments_for(n_cols: int, k: int, block: int) -> int:
@@ -221,7 +223,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
     segments = segments_for(n_cols, k, block)
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column",
-                 BLOCK=block, K_POW2=triton.next_power_of_2(k), num_warps=warps_for(rows, block, sort_in_kernel))
+                 BLOCK=block, K_POW2=next_power_of_2(k), num_warps=warps_for(rows, block, sort_in_kernel))
     lengths_arg = lengths if lengths is not None else logits
     offset_arg = offset if offset is not None else logits
     if segments == 1:

@@ -1,0 +1,90 @@
+"""``benchmarks/end_to_end.py --sweep`` at the CPU sizes: every row and agreement column is there, the grid
+selection and the top-k overlap measure are right. (Timings on a CPU mean nothing; none are asserted.)"""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    """The benchmark script as a module (registered, as its dataclasses need)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_end_to_end", ROOT / "benchmarks" / "end_to_end.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(e2e, tmp_path_factory):
+    """One decode and one prefill cell, eager and nsa_rocm (two compiles), written to a folder."""
+    out = tmp_path_factory.mktemp("sweep")
+    argv = ["end_to_end.py", "--sweep", "--small", "--device", "cpu", "--cells", "B4x96,T64",
+            "--variants", "eager,nsa_rocm", "--out", str(out)]
+    saved, sys.argv = sys.argv, argv
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the timing loops of tiny steps: intra-op threads only contend on a shared CI box
+    try:
+        e2e.main()
+    finally:
+        sys.argv = saved
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_sweep_writes_every_row_with_agreement(sweep_dir):
+    result = json.loads((sweep_dir / "sweep.json").read_text())
+    rows = {(r["cell"], r["variant"], r["graphs"]): r for r in result["rows"]}
+    assert set(rows) == {(cell, variant, False) for cell in ("decode B=4 ctx=96", "prefill T=64")
+                         for variant in ("eager", "nsa_rocm")}
+    for row in rows.values():
+        assert row["cache_bytes_equal"] is True and row["neginf_masks_equal"] is True, row
+        assert row["logits_rel_err"] < 1e-3 and row["topk_sets_identical"] == 1.0, row
+        assert row["us"] > 0
+    table = (sweep_dir / "sweep.md").read_text()
+    assert "| cache = eager | logits rel. err | top-k overlap | top-k sets identical |" in table
+    for cell, variant, _ in rows:
+        assert f"\n| {cell} | {variant} | no | " in table
+    short = (sweep_dir / "sweep_short.md").read_text()
+    assert "\n| decode B=4 ctx=96 | " in short and "\n| prefill T=64 | " in short
+    compiles = {(c["variant"], c["kind"]): c["passes"] for c in result["compiles"]}
+    assert set(compiles) == {("nsa_rocm", "decode"), ("nsa_rocm", "prefill")}
+    assert "paged_mqa_logits 1" in compiles["nsa_rocm", "decode"]
+    assert "ragged_mqa_logits 1" in compiles["nsa_rocm", "prefill"]
+
+
+def test_merge_replaces_rows_of_the_same_cell(e2e, sweep_dir):
+    result = json.loads((sweep_dir / "sweep.json").read_text())
+    newer = {**result, "rows": [{**r, "us": 1.0} for r in result["rows"] if r["cell"] == "prefill T=64"]}
+    merged = e2e.merge_results(result, newer)
+    assert len(merged["rows"]) == len(result["rows"])
+    assert {r["us"] for r in merged["rows"] if r["cell"] == "prefill T=64"} == {1.0}
+    with pytest.raises(SystemExit, match="different setups"):
+        e2e.merge_results(result, {**newer, "meta": {**result["meta"], "layout": "flat"}})
+
+
+def test_cell_selection(e2e):
+    tokens = [c.token for c in e2e.sweep_cells("full", None)]
+    assert tokens[0] == "B8x2048" and tokens.index("B1x2048") > tokens.index("B256x32768")  # B > 1 compiles first
+    assert len(tokens) == 14
+    assert [c.token for c in e2e.sweep_cells("full", "B1,T8192")] == ["B1x2048", "B1x8192", "B1x32768", "T8192"]
+    assert [c.token for c in e2e.sweep_cells("full", "prefill")] == ["T1024", "T8192"]
+    with pytest.raises(SystemExit, match="unknown"):
+        e2e.sweep_cells("full", "B3")
+
+
+def test_topk_overlap_counts_sets_not_order(e2e):
+    eager = torch.tensor([[3, 1, 2, -1], [0, 1, 2, 3], [-1, -1, -1, -1]])
+    other = torch.tensor([[1, 2, 3, -1], [0, 1, 2, 7], [-1, -1, -1, -1]])
+    overlap, identical = e2e.topk_overlap(eager, other)
+    assert overlap.tolist() == [1.0, 0.75, 1.0]
+    assert identical.tolist() == [True, False, True]
+    _, identical = e2e.topk_overlap(eager[:1], torch.tensor([[1, 2, 3, 0]]))  # one more valid index: not identical
+    assert identical.tolist() == [False]
