@@ -314,10 +314,16 @@ def bench_topk(args, rows: list[dict]) -> None:
 
         torch_us = None if args.no_torch else _graph_us(eager)
         nbytes = logits.numel() * 4 + batch * k * 4
+        block = tk.block_for(width)
         for order in ("set", "sorted"):
-            us = _graph_us(lambda: tk.topk_indices(logits, k, lengths, None, "neg1", order == "sorted"))
-            rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", us, torch_us, nbytes),
-                         "config": f"block {tk.block_for(width)}"})
+            sort = order == "sorted"
+            chosen = tk.warps_for(batch, block, sort and k <= tk.MAX_SORTED_K and batch <= tk.MAX_SORTED_ROWS)
+            results = {w: _graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
+                       for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
+            rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
+                                          torch_us, nbytes),
+                         "config": f"block {block}, segments {tk.segments_for(width, k, block)}, {chosen} warps",
+                         "sweep": {f"{w} warps": t for w, t in results.items()}})
         del logits
 
 

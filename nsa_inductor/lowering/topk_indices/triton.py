@@ -211,9 +211,10 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
     return 16 if sort_in_kernel else 8
 
 
-def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None):
+def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
-    columns held in registers, so tests reach the split and streamed paths at small sizes."""
+    columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
+    ``warps_for`` (the benchmark's sweep)."""
     rows, n_cols = logits.shape
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
@@ -223,7 +224,8 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
     segments = segments_for(n_cols, k, block)
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column",
-                 BLOCK=block, K_POW2=next_power_of_2(k), num_warps=warps_for(rows, block, sort_in_kernel))
+                 BLOCK=block, K_POW2=next_power_of_2(k),
+                 num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
     lengths_arg = lengths if lengths is not None else logits
     offset_arg = offset if offset is not None else logits
     if segments == 1:
