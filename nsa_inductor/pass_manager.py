@@ -15,6 +15,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import capability
+from .cache_copies import cache_copy_report
 from .debug import GraphDumper
 from .options import NsaOptions
 from .patterns import GraphPass, PassContext, passes_for
@@ -70,6 +71,7 @@ class NsaPassManager(CustomGraphPass):
                 log.info("nsa_inductor:   near miss at %s: %s", miss["anchor"], miss["reason"])
         if self.inner is not None:
             self.inner(graph)
+        report.update(cache_copy_report(graph))  # copies of a mutated uint8 input left in the final graph
         dumper.graph("99_output", graph)
         dumper.report(report)
         REPORTS.append(report)

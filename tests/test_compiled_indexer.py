@@ -11,7 +11,7 @@ import torch
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, static_cache
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other, static_cache
 from helpers.pass_helpers import assert_matches_eager
 from helpers.reference64 import assert_logits_close
 
@@ -56,6 +56,49 @@ def test_prefill_of_one_sequence_is_rewritten():
     for report in reports(dump_dir):
         matched = {p["name"]: p["matched"] for p in report["passes"]}
         assert matched == EXPECTED_MATCHES["prefill"], f"{report['graph']}: {report['passes']}"
+
+
+def size_batches(entry):
+    """Decode B in {1, 2, 7, 64} x next_n in {1, 2}, prefill T in {1, 5}; B=64 sequences of one page each (the
+    CACHE_SLOTS cache holds 64 pages of 16)."""
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    pages = CACHE_SLOTS // layout.page_size
+    if entry == "prefill":
+        return {f"T={sum(lens)}": prefill_batch(config, layout, lens, seed=6, cache_pages=pages) for lens in ([1], [2, 3])}
+    out = {}
+    for next_n in (1, 2):
+        for b in (1, 2, 7, 64):
+            lens = [(5 * i) % 15 + 2 for i in range(b)] if b == 64 else [(7 * i + 9) % 46 + 2 for i in range(b)]
+            out[f"B={b} next_n={next_n}"] = decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=b,
+                                                         cache_pages=pages)
+    return out
+
+
+def dynamic_batch(batch):
+    """A static cache; every other size symbolic from the first compile on (one dynamic graph, not a static one
+    first), except where it is 1: Dynamo specialises that."""
+    for t in (batch.x, batch.q_lora, batch.positions, batch.slot_mapping, batch.block_table, batch.lens):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return static_cache(batch)
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+@pytest.mark.parametrize("indexer", ["reference", "other"])
+def test_every_batch_size_stores_without_cache_copies(indexer, entry):
+    """Size 1 is specialised by Dynamo (its own graph, squeezed shapes); the other sizes share the dynamic graph.
+    On every graph the store is rewritten and no copy of the cache remains (report figure ``cache_copies``)."""
+    eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", entry) if indexer == "reference" else \
+        other("paged", entry)
+    for name, batch in size_batches(entry).items():
+        if indexer == "other":  # its padding convention: a reserved dummy slot, not -1 (none of these pad)
+            assert (batch.slot_mapping >= 0).all(), name
+        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=dynamic_batch)
+    graphs = reports(dump_dir)
+    assert len(graphs) >= 2, "size 1 compiles a graph of its own"
+    for report in graphs:
+        (store,) = [p for p in report["passes"] if p["name"] == "quant_cache_store"]
+        assert store["matched"] == 1, f"{report['graph']}: {store['near_misses']}"
+        assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
 
 
 GPU_LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(64), "preshuffle": KCacheLayout(64, preshuffle=True)}

@@ -34,7 +34,7 @@ def compiled(config_name: str, layout_name: str, entry: str):
     return fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
 
 
-CACHE_SLOTS = 512  # one cache shape for every batch, as in serving: only the token count varies between compiles
+CACHE_SLOTS = 1024  # one cache shape for every batch, as in serving: only the token count varies between compiles
 
 
 def static_cache(batch):
