@@ -144,11 +144,12 @@ def _tokens(slot: torch.fx.Node):
 
 def _same_tokens(a, b) -> bool:
     """Token counts ``a`` (rows written, rows of K) and ``b`` (the slot mapping's) are equal for every input the graph
-    accepts: provably equal, or two sizes each known to be >= 2 that are broadcast together (a size >= 2 broadcasts
-    only to itself, so eager raises unless they are equal). Dynamo gives the rows of ``x`` and the slot mapping's
-    length two symbols when nothing in the graph compares them elementwise; :func:`_unify_tokens` records the
-    equality the graph relies on."""
-    return sym_equal(a, b) or (known_ge(a, 2) and known_ge(b, 2))
+    accepts: provably equal, or two symbolic sizes each known to be >= 2 that the store broadcasts together (a size
+    >= 2 broadcasts only to itself, so eager raises unless they are equal). Dynamo gives the rows of ``x`` and the
+    slot mapping's length two symbols when nothing in the graph compares them elementwise; :func:`_unify_tokens`
+    records the equality the graph relies on."""
+    symbolic = isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)
+    return sym_equal(a, b) or (symbolic and known_ge(a, 2) and known_ge(b, 2))
 
 
 def _unify_tokens(a, b) -> None:
@@ -253,7 +254,9 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
             slot = slot or _slot_input([i for i in indices if i is not None])
             offsets = _written_offsets(dest, indices, slot, probe)
             payload = _masked_payload(values, dest, indices, slot, probe) if accumulate else values
-            if not _one_row_per_token(payload, slot, offsets.shape[1]):
+            index_rank = max(val(i).dim() for i in indices)
+            rank = index_rank + val(dest).dim() - len(indices)  # of the written region, token dim first
+            if not _one_row_per_token(payload, slot, offsets.shape[1], rank):
                 pval = val(payload)
                 raise NearMiss(f"the written values are not one row of bytes per token (values {pval.dtype} "
                                f"{list(pval.shape)}, {offsets.shape[1]} bytes per token, slot mapping "
@@ -267,14 +270,15 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
     return writes, slot
 
 
-def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_token: int) -> bool:
-    """The written values hold one row of ``bytes_per_token`` bytes per token, none broadcast: ``[T, ...]`` for
-    many tokens; for one token any shape holding exactly that many bytes (``[128]``, ``[1, 32]``, a 0-d scale)."""
+def _one_row_per_token(payload: torch.fx.Node, slot: torch.fx.Node, bytes_per_token: int, rank: int) -> bool:
+    """The written values hold one row of ``bytes_per_token`` bytes per token, none broadcast: ``[T, ...]`` of the
+    written region's ``rank`` for many tokens; for one token any shape holding exactly that many bytes (``[128]``,
+    ``[1, 32]``, a 0-d scale)."""
     pval = val(payload)
     if _one_token(slot):
         return str(pval.numel() * pval.element_size()) == str(bytes_per_token)
     shape = pval.shape
-    if len(shape) < 1 or not _same_tokens(shape[0], val(slot).shape[0]):
+    if len(shape) != rank or not _same_tokens(shape[0], val(slot).shape[0]):
         return False
     row_bytes = pval.element_size()
     for size in shape[1:]:

@@ -239,15 +239,14 @@ def test_the_rotation_epilogue_moves_into_the_op(fn, input_dtype):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def scalar_slot_store(k, slots, cache):
-    """One token written through a 0-d slot and a squeezed row: ``values[page, pos] = k_fp8[0]``."""
+def scalar_slot_store(k, slot, cache):
+    """One token through a 0-d slot mapping and a squeezed row: ``values.index_put_((page, pos), k_fp8[0])``."""
     k_fp8, k_scale = act_quant(k)
     pages = cache.view(-1, 16 * 132)
     values = pages[:, : 16 * 128].unflatten(1, (16, 128))
     scales = pages[:, 16 * 128 :].view(torch.float32)
-    slot = slots[0]
-    values[slot // 16, slot % 16] = k_fp8[0].view(torch.uint8)
-    scales[slot // 16, slot % 16] = k_scale[0, 0]
+    values.index_put_((slot // 16, slot % 16), k_fp8[0].view(torch.uint8))
+    scales.index_put_((slot // 16, slot % 16), k_scale[0, 0])
 
 
 def expanded_row_store(k, slots, cache):
@@ -326,6 +325,8 @@ def test_one_token_spellings(name):
     cache = torch.randint(0, 256, (layout.num_pages(NUM_SLOTS), layout.page_bytes), dtype=torch.uint8, generator=gen)
     if fn is two_d_slot_store:
         slots = slots[:, None]
+    if fn is scalar_slot_store:
+        slots = slots[0]
     compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": layout_name, "nsa.page_size": layout.page_size},
                                                dynamic=False)
     eager_cache, compiled_cache = cache.clone(), cache.clone()
