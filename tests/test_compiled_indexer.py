@@ -11,7 +11,7 @@ import torch
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other, static_cache
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compile_indexer, compiled, other
 from helpers.pass_helpers import assert_matches_eager
 from helpers.reference64 import assert_logits_close
 
@@ -27,7 +27,7 @@ def test_compiled_equals_eager(config_name, layout_name, entry):
     eager_fn, compiled_fn, dump_dir = compiled(config_name, layout_name, entry)
     config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
     for batch in batches(config, layout, entry):
-        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+        assert_matches_eager(eager_fn, compiled_fn, batch)
     graphs = reports(dump_dir)
     assert graphs, "the pass manager wrote no report"
     for report in graphs:
@@ -52,7 +52,7 @@ def test_prefill_of_one_sequence_is_rewritten():
     eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     batch = prefill_batch(config, layout, [23], seed=5, cache_pages=CACHE_SLOTS // layout.page_size)
-    assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+    assert_matches_eager(eager_fn, compiled_fn, batch)
     for report in reports(dump_dir):
         matched = {p["name"]: p["matched"] for p in report["passes"]}
         assert matched == EXPECTED_MATCHES["prefill"], f"{report['graph']}: {report['passes']}"
@@ -75,11 +75,11 @@ def size_batches(entry):
 
 
 def dynamic_batch(batch):
-    """A static cache; every other size symbolic from the first compile on (one dynamic graph, not a static one
-    first), except where it is 1: Dynamo specialises that."""
+    """Every size but the cache's symbolic from the first compile on (one dynamic graph, not a static one first),
+    except where it is 1: Dynamo specialises that."""
     for t in (batch.x, batch.q_lora, batch.positions, batch.slot_mapping, batch.block_table, batch.lens):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    return static_cache(batch)
+    return batch
 
 
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
@@ -113,7 +113,7 @@ def compiled_gpu(config_name: str, layout_name: str, entry: str):
     dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-gpu-{config_name}-{layout_name}-{entry}-"))
     options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
     fn = getattr(model, entry)
-    return config, layout, fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
+    return config, layout, fn, compile_indexer(fn, options), dump_dir
 
 
 @pytest.mark.gpu
@@ -134,7 +134,7 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
                  prefill_batch(config, layout, [700], seed=4, device="cuda")]
     with torch.no_grad():
         for batch in cases:
-            eager, comp = batch.clone(), static_cache(batch.clone())
+            eager, comp = batch.clone(), batch.clone()
             logits, topk = eager_fn(*eager.args)
             c_logits, c_topk = compiled_fn(*comp.args)
             assert torch.equal(eager.kv_cache, comp.kv_cache), "K-cache bytes differ"
