@@ -137,10 +137,24 @@ class install:
         self.config.post_grad_custom_post_pass = self.manager
         for key, value in INDUCTOR_SETTINGS.items():
             setattr(self.config, key, value)
+        self._active = _ACTIVE.setdefault(id(self.config), [])
+        self._active.append(self)
 
     def __enter__(self) -> NsaPassManager:
         return self.manager
 
     def __exit__(self, *exc) -> None:
-        for key, value in self.previous.items():
-            setattr(self.config, key, value)
+        """Handles may exit in any order: one exiting under a later one hands what it found to that one."""
+        if self not in self._active:
+            return
+        i = self._active.index(self)
+        if i + 1 < len(self._active):
+            self._active[i + 1].previous = self.previous
+        else:
+            for key, value in self.previous.items():
+                setattr(self.config, key, value)
+        self._active.pop(i)
+
+
+# Handles of ``install`` still active, oldest first, per Inductor config object.
+_ACTIVE: dict[int, list[install]] = {}

@@ -18,6 +18,15 @@ def interpreted(kernel) -> bool:
 
 
 @triton.jit
+def readable_page(page, ok, num_pages):
+    """A block-table entry as a page to read, and where it may be read (docs/indices.md): ids in
+    ``[-num_pages, 0)`` wrap like Python indices, ids outside ``[-num_pages, num_pages)`` are not read."""
+    page = tl.where(page < 0, page + num_pages, page)
+    ok = ok & (page >= 0) & (page < num_pages)
+    return tl.where(ok, page, 0), ok
+
+
+@triton.jit
 def value_offsets(page, pos, d, PAGE_SIZE: tl.constexpr, PRESHUFFLE: tl.constexpr):
     """Byte offset of value ``d`` of position ``pos`` in ``page`` (DESIGN §3); inputs broadcast."""
     base = page.to(tl.int64) * (PAGE_SIZE * 132)

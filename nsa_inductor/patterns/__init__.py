@@ -29,9 +29,12 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .searchsorted_offset import SearchsortedOffset
     from .topk_indices import TopkIndices
 
-    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore()]
-    if options.head_gate_mode != "off":
-        passes.append(HeadGateGemm(mode=options.head_gate_mode))
-    passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
-               SearchsortedOffset()]
-    return [p for p in passes if p.name not in options.disable_passes]
+    head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
+    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), head_gate, PagedMqaLogits(), RaggedMqaLogits(),
+                               EmptyLogitsBuffer(), TopkIndices(options.topk_order), SearchsortedOffset()]
+    names = [p.name for p in passes]
+    unknown = [name for name in options.disable_passes if name not in names]
+    if unknown:
+        raise ValueError(f"nsa.disable_passes names unknown pass(es) {unknown}; the passes are: {', '.join(names)}")
+    off = set(options.disable_passes) | ({head_gate.name} if options.head_gate_mode == "off" else set())
+    return [p for p in passes if p.name not in off]

@@ -105,10 +105,11 @@ def _dest_root(dest: torch.fx.Node, scatters: list[torch.fx.Node]) -> torch.fx.N
 
 
 def _probe_slots(layout: KCacheLayout, num_slots: int) -> torch.Tensor:
-    """Slot ids that tell layouts apart: whole first pages, both ends of the cache, and padding values."""
-    ends = [num_slots - 1, num_slots - layout.page_size, num_slots // 2 + 5]
+    """Distinct slot ids that tell layouts apart: whole first pages, both ends of the cache, and padding values
+    (distinct: a store may let only the last of equal slots write, docs/indices.md)."""
     first = torch.arange(min(num_slots, 3 * max(layout.page_size, 16) + 3))
-    return torch.cat([first, torch.tensor([s for s in ends if 0 <= s < num_slots]),
+    ends = sorted({num_slots - 1, num_slots - layout.page_size, num_slots // 2 + 5})
+    return torch.cat([first, torch.tensor([s for s in ends if first.numel() <= s < num_slots], dtype=torch.long),
                       torch.tensor([-1, -2, -layout.page_size - 1])])
 
 

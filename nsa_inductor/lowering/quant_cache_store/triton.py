@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ...layout import written_slots
 from ...quant import AMAX_FLOOR, fp8_max
 from .._triton_common import interpreted, round_to_bf16, scale_offsets, value_offsets
 
@@ -50,6 +51,7 @@ def _quant_store_kernel(
     values_ptr,
     scales_ptr,
     num_tokens,
+    num_slots,
     INPUT_SCALE: tl.constexpr,
     ROUND_TO: tl.constexpr,
     FMAX: tl.constexpr,
@@ -59,6 +61,7 @@ def _quant_store_kernel(
     PRESHUFFLE: tl.constexpr,
     MIN_EXP: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    NAN_CODE: tl.constexpr,
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -82,6 +85,7 @@ def _quant_store_kernel(
     elif ROUND_TO == "fp16":
         x = x.to(tl.float16).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)  # GPU max/maximum drop NaN
     if ON_GPU:
         scale = amax * INV_FMAX
     else:
@@ -91,9 +95,12 @@ def _quant_store_kernel(
             scale = libdevice.exp2(tl.math.ceil(libdevice.log2(scale)))
         else:
             scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
-    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-    y = _round_to_fp8_grid(y, x, MIN_EXP, SIGNED_ZERO).to(values_ptr.dtype.element_ty)
-    keep = slot >= 0
+    quotient = tl.math.div_rn(x, scale[:, None])
+    y = _round_to_fp8_grid(tl.clamp(quotient, -FMAX, FMAX), x, MIN_EXP, SIGNED_ZERO)
+    # NaN stays NaN, as its fp8 code: the interpreter's fp8 cast turns NaN into +-inf's bits
+    y = tl.where(quotient != quotient, NAN_CODE, y.to(values_ptr.dtype.element_ty).to(tl.uint8, bitcast=True))
+    y = y.to(values_ptr.dtype.element_ty, bitcast=True)
+    keep = (slot >= 0) & (slot < num_slots)  # docs/indices.md: any other slot writes nothing
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
     tl.store(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE), y,
@@ -107,10 +114,13 @@ _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, block_t: int = 4):
     """One launch: quantize ``k [T,128]`` (after the input epilogue) and store it into ``cache`` at
-    ``slot_mapping`` (negative = padding)."""
+    ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of tokens sharing
+    a slot only the last writes it (the kernel masks both bounds itself; the earlier duplicates are set to -1)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
+    num_slots = cache.shape[0] * page_size
+    slot_mapping = torch.where(written_slots(slot_mapping, num_slots), slot_mapping, -1)
     fmax = fp8_max(fp8_dtype)
     kernel = _quant_store_kernel
     kernel[(triton.cdiv(num_tokens, block_t),)](
@@ -120,6 +130,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         cache.view(fp8_dtype),
         cache.view(torch.float32),
         num_tokens,
+        num_slots,
         INPUT_SCALE=float(input_scale),
         ROUND_TO=_ROUND_TO[input_dtype],
         FMAX=fmax,
@@ -129,6 +140,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         PRESHUFFLE=preshuffle,
         MIN_EXP=1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
         SIGNED_ZERO=fp8_dtype == torch.float8_e4m3fn,
+        NAN_CODE=0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80,
         ON_GPU=not interpreted(kernel),
         BLOCK_T=block_t,
         num_warps=4,
