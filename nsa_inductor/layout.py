@@ -18,14 +18,12 @@ SHUFFLE_TILE = 16
 
 
 def written_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """Which tokens of a store write their slot (docs/indices.md): those whose slot is in ``[0, num_slots)`` and
-    which are the last token with that slot in ``slots`` order. Shape-static, no host synchronisation."""
+    """Which tokens of a store write their slot (docs/indices.md): those whose slot is in ``[0, num_slots)`` and no
+    later token of the store has. Plain broadcasting (a ``[T, T]`` comparison, no sort, no host synchronisation);
+    the ``quant_cache_store`` pass drops it with the rest of the store, as the kernel applies the rule itself."""
     slots = slots.long()
-    order = torch.sort(slots, stable=True).indices  # equal slots keep their order
-    ordered = slots[order]
-    following = torch.cat([ordered, ordered[-1:] + 1])[1:]  # the next slot in sorted order (past the end: another)
-    last = torch.zeros_like(slots, dtype=torch.bool).scatter(0, order, ordered != following)
-    return last & (slots >= 0) & (slots < num_slots)
+    overwritten = (slots[:, None] == slots[None, :]).triu(1).any(1)
+    return ~overwritten & (slots >= 0) & (slots < num_slots)
 
 
 @dataclass(frozen=True)

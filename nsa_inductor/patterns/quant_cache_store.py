@@ -8,7 +8,8 @@ Eager idiom (``Indexer.store_k`` and ``KCacheLayout.store``)::
 
 Matches the ``index_put`` chain on views of the cache ending in the epilogue ``copy_`` into the cache input, once
 probing proves the bytes written are the layout's offsets of each slot, the values are that act_quant's, and
-padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices.
+padding is masked (``where(slot >= 0, new - old, 0)``) or wraps like Python indices. The mask may also keep only
+the last of tokens sharing a slot (``KCacheLayout.store``): the op does that itself (docs/indices.md).
 Rewrites to ``auto_functionalized(nsa.quant_cache_store, ...)`` (reinplaced: no copy of the cache); a quantized
 ``(y_fp32 * c).to(bf16)`` used only here is folded in (``input_scale=c, input_dtype=bf16``).
 Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache.
@@ -30,7 +31,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..layout import KCacheLayout
+from ..layout import KCacheLayout, written_slots
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import (VALUE_COPIES, VIEW_OPS, aten, arg, evaluate, insert_call, is_op, norm_dim, prims, same_shape,
@@ -163,16 +164,29 @@ def _unify_tokens(a, b) -> None:
 def _per_slot(compute, slot: torch.fx.Node, probe: torch.Tensor) -> torch.Tensor:
     """``[probe, -1]``: row ``i`` is what ``compute`` gives for probe slot ``i``.
 
-    Many tokens: ``compute`` runs once on all probe slots and its result's leading dim must be the token dim. One
-    token: it runs on each probe slot alone, in the slot mapping's traced shape (a squeezed ``[]``/``[1]`` graph
-    need not broadcast over a longer probe), and everything it gives belongs to that token."""
+    ``compute`` runs on slot mappings of the traced length, so a cone holding tensors of that size (the eager
+    store's ``[T, T]`` duplicate test) evaluates too. One token: each probe slot alone, in the slot mapping's traced
+    shape (a squeezed ``[]``/``[1]`` graph need not broadcast over a longer probe), and everything it gives belongs
+    to that token. A fixed token count ``T``: the probe in chunks of ``T``, padded with distinct negative slots whose
+    rows are dropped. A symbolic one: the whole probe (the symbol takes its length). The leading dim of what
+    ``compute`` gives must be the token dim."""
     if _one_token(slot):
         shape = tuple(val(slot).shape)
         return torch.cat([compute(p.reshape(shape)).reshape(1, -1) for p in probe])
-    out = compute(probe)
-    if out.dim() == 0 or out.shape[0] != probe.shape[0]:
+    tokens = _tokens(slot)
+    if not isinstance(tokens, int):
+        return _rows(compute, probe)
+    filler = int(probe.min()) - 1 - torch.arange(tokens)
+    chunks = [torch.cat([chunk, filler[: tokens - len(chunk)]]) for chunk in probe.split(tokens)]
+    return torch.cat([_rows(compute, chunk) for chunk in chunks])[: probe.shape[0]]
+
+
+def _rows(compute, slots: torch.Tensor) -> torch.Tensor:
+    """What ``compute`` gives for ``slots``, one row per slot."""
+    out = compute(slots)
+    if out.dim() == 0 or out.shape[0] != slots.shape[0]:
         raise NearMiss("the write's index does not have one row per token")
-    return out.reshape(probe.shape[0], -1)
+    return out.reshape(slots.shape[0], -1)
 
 
 def _written_offsets(dest: torch.fx.Node, indices: list, slot: torch.fx.Node, probe: torch.Tensor) -> torch.Tensor:
@@ -205,8 +219,9 @@ def _written_offsets(dest: torch.fx.Node, indices: list, slot: torch.fx.Node, pr
 
 
 def _masked_payload(values: torch.fx.Node, dest: torch.fx.Node, indices: list, slot: torch.fx.Node,
-                    probe: torch.Tensor) -> torch.fx.Node:
-    """``where(slot >= 0, new - dest[indices], 0)``: returns ``new``; the mask must be exactly ``slot >= 0``."""
+                    probe: torch.Tensor, num_slots: int) -> torch.fx.Node:
+    """``where(mask, new - dest[indices], 0)``: returns ``new``. The mask must be ``slot >= 0`` on distinct slots in
+    the cache and let the last token (or every token) write a shared slot (:func:`_check_duplicates`)."""
     if not is_op(values, aten.where.self) or not is_op(values.args[1], aten.sub.Tensor):
         raise NearMiss("an accumulating write must add where(slot >= 0, new - old, 0)")
     mask, delta, other = values.args
@@ -225,7 +240,22 @@ def _masked_payload(values: torch.fx.Node, dest: torch.fx.Node, indices: list, s
     rows = _per_slot(keep, slot, probe)
     if not (rows == (probe >= 0)[:, None]).all():
         raise NearMiss("the padding mask is not slot >= 0")
+    if not _one_token(slot):
+        _check_duplicates(keep, slot, num_slots)
     return new
+
+
+def _check_duplicates(keep, slot: torch.fx.Node, num_slots: int) -> None:
+    """Of tokens sharing a slot the mask lets the last write (``KCacheLayout.store``) or all of them (a store with
+    no rule for duplicates, whose eager bytes are then no token's): the op writes the last (docs/indices.md), so it
+    can take the mask's place. Any other choice (e.g. the first) is a near miss."""
+    tokens = _tokens(slot)
+    length = tokens if isinstance(tokens, int) else 6  # a symbolic count takes the length of the probe
+    shared = torch.arange(length) % max(1, min((length + 1) // 2, num_slots))  # every slot written twice or more
+    rows = _rows(keep, shared)
+    if not ((rows == (shared >= 0)[:, None]).all() or (rows == written_slots(shared, num_slots)[:, None]).all()):
+        raise NearMiss("of tokens sharing a slot, the padding mask lets another token than the last write it (the "
+                       "op writes the last, docs/indices.md)")
 
 
 def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayout, num_slots: int
@@ -254,7 +284,7 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
             indices = list(indices)
             slot = slot or _slot_input([i for i in indices if i is not None])
             offsets = _written_offsets(dest, indices, slot, probe)
-            payload = _masked_payload(values, dest, indices, slot, probe) if accumulate else values
+            payload = _masked_payload(values, dest, indices, slot, probe, num_slots) if accumulate else values
             index_rank = max(val(i).dim() for i in indices)
             rank = index_rank + val(dest).dim() - len(indices)  # of the written region, token dim first
             if not _one_row_per_token(payload, slot, offsets.shape[1], rank):

@@ -93,6 +93,26 @@ def test_quant_cache_store_writes_only_inside_the_cache(slots, layout, int64, se
 
 
 @child_only
+def test_quant_cache_store_duplicates_across_programs_and_scan_blocks():
+    """300 tokens on 40 slots: a token's later duplicates sit in its own program, in others and past the
+    kernel's first 128-slot scan block; each slot holds the last token's values and scale, as the reference writes
+    it. (The interpreter runs programs in order, so it shows a wrong token chosen, not a missing skip: the GPU twin
+    in test_kernels_gpu.py shows that.)"""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(3)
+    k = (torch.randn(300, 128, generator=gen) * 3).bfloat16()
+    slots = torch.randint(-2, 40, (300,), generator=gen)
+    slots[:4] = 45  # written only by the first program: its last token
+    slots[-1] = slots[4]
+    cache = torch.randint(0, 256, (3, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, 16, False, "ue8m0", FN)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN)
+    assert torch.equal(cache, want)
+
+
+@child_only
 @pytest.mark.parametrize("dtype", [FN, FNUZ])
 def test_quant_cache_store_keeps_nan_and_inf_as_the_reference(dtype):
     """Rows with a NaN, with +-inf, and both: values and scale decode as the reference's (NaN where it has NaN)."""

@@ -39,13 +39,13 @@ def page_view_store(page_size):
     return store
 
 
-def masked_differently(layout):
-    """Padding mask ``slot > 0``: slot 0 is never written, which the op would write. Must not fire."""
+def masked_store(layout, writes):
+    """The eager store's masked delta on the cache bytes, with ``writes(slots)`` the tokens that write."""
 
     def store(k, slots, cache):
         k_fp8, k_scale = act_quant(k)
         flat = cache.view(-1)
-        valid = (slots > 0)[:, None]
+        valid = writes(slots)[:, None]
         for offsets, new in ((layout.value_offsets(slots.clamp(min=0)), k_fp8.view(torch.uint8)),
                              (layout.scale_offsets(slots.clamp(min=0)), k_scale.view(torch.uint8).view(-1, 4))):
             flat.index_put_((offsets,), torch.where(valid, new - flat[offsets], 0), accumulate=True)
@@ -65,13 +65,20 @@ VARIANTS = {
     "near-miss-fp8-max-224": (reference_store(LAYOUTS["paged"], max_value=224.0), "paged", False),
     "near-miss-block-64": (reference_store(LAYOUTS["paged"], block_size=64), "paged", False),
     "near-miss-wrong-layout": (reference_store(LAYOUTS["paged"]), "preshuffle", False),
-    "near-miss-mask": (masked_differently(LAYOUTS["paged"]), "paged", False),
+    # no rule for shared slots (eager then writes no token's bytes there): the op's last-token rule may replace it
+    "no-duplicate-rule": (masked_store(LAYOUTS["paged"], lambda s: s >= 0), "paged", True),
+    # slot 0 never written, which the op would write
+    "near-miss-mask": (masked_store(LAYOUTS["paged"], lambda s: s > 0), "paged", False),
+    "near-miss-first-of-shared-slot": (
+        masked_store(LAYOUTS["paged"], lambda s: (s >= 0) & ~(s[:, None] == s[None, :]).tril(-1).any(1)), "paged",
+        False),
 }
 REASONS = {
     "near-miss-fp8-max-224": "max is 448",
     "near-miss-block-64": "quant block is 64 wide",
     "near-miss-wrong-layout": "not the preshuffle(page_size=16) layout",
     "near-miss-mask": "padding mask is not slot >= 0",
+    "near-miss-first-of-shared-slot": "another token than the last",
 }
 
 

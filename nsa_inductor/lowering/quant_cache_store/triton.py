@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ...layout import written_slots
 from ...quant import AMAX_FLOOR, fp8_max
 from .._triton_common import interpreted, round_to_bf16, scale_offsets, value_offsets
 
@@ -64,9 +63,13 @@ def _quant_store_kernel(
     NAN_CODE: tl.constexpr,
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
 ):
     """act_quant of BLOCK_T rows of ``k * INPUT_SCALE`` (rounded to ``ROUND_TO``: "bf16", "fp16" or ""), then the
-    fp8 values and fp32 scale of each row go to its slot.
+    fp8 values and fp32 scale of each row go to its slot, unless it is outside ``[0, num_slots)`` or a later token
+    of the store has the same slot (docs/indices.md: the last token writes a shared slot). Each program finds the
+    later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a
+    few KB in decode, read from L2 by every program).
 
     Bit-identical to the torch reference on the same device: torch on a GPU computes ``amax / fmax`` as
     ``amax * (1/fmax)`` (scalar divisor) and log2/exp2 with the device math library (libdevice/ocml); on the host
@@ -100,7 +103,13 @@ def _quant_store_kernel(
     # NaN stays NaN, as its fp8 code: the interpreter's fp8 cast turns NaN into +-inf's bits
     y = tl.where(quotient != quotient, NAN_CODE, y.to(values_ptr.dtype.element_ty).to(tl.uint8, bitcast=True))
     y = y.to(values_ptr.dtype.element_ty, bitcast=True)
-    keep = (slot >= 0) & (slot < num_slots)  # docs/indices.md: any other slot writes nothing
+    overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
+        later = first + tl.arange(0, SCAN_BLOCK)
+        later_slot = tl.load(slot_ptr + later, mask=later < num_tokens, other=-1).to(tl.int64)
+        same = (later_slot[None, :] == slot[:, None]) & (later[None, :] > t[:, None]) & (later < num_tokens)[None, :]
+        overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
+    keep = (slot >= 0) & (slot < num_slots) & (overwritten == 0)
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
     tl.store(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE), y,
@@ -115,12 +124,10 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
                       input_dtype=None, block_t: int = 4):
     """One launch: quantize ``k [T,128]`` (after the input epilogue) and store it into ``cache`` at
     ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of tokens sharing
-    a slot only the last writes it (the kernel masks both bounds itself; the earlier duplicates are set to -1)."""
+    a slot only the last writes it (both decided inside the kernel)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    num_slots = cache.shape[0] * page_size
-    slot_mapping = torch.where(written_slots(slot_mapping, num_slots), slot_mapping, -1)
     fmax = fp8_max(fp8_dtype)
     kernel = _quant_store_kernel
     kernel[(triton.cdiv(num_tokens, block_t),)](
@@ -130,7 +137,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         cache.view(fp8_dtype),
         cache.view(torch.float32),
         num_tokens,
-        num_slots,
+        cache.shape[0] * page_size,
         INPUT_SCALE=float(input_scale),
         ROUND_TO=_ROUND_TO[input_dtype],
         FMAX=fmax,
@@ -143,5 +150,6 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         NAN_CODE=0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80,
         ON_GPU=not interpreted(kernel),
         BLOCK_T=block_t,
+        SCAN_BLOCK=128,
         num_warps=4,
     )
