@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -97,7 +98,10 @@ class NsaPassManager(CustomGraphPass):
             if inner_uuid is None:
                 return None
         h = hashlib.sha256(_source_hash())
-        for part in (self.decision.layout, self.options, self.capability, torch.__version__, inner_uuid,
+        # The dump directory changes no output: a compile that only dumps elsewhere is still served from the cache
+        # (with the entry's report, see cached_reports).
+        options = dataclasses.replace(self.options, dump_dir=None)
+        for part in (self.decision.layout, options, self.capability, torch.__version__, inner_uuid,
                      [(p.name, sorted(vars(p).items())) for p in self.passes]):
             h.update(repr(part).encode())
         return h.hexdigest()

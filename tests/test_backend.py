@@ -147,28 +147,42 @@ def test_dump_dir_has_graphs_and_report(tmp_path):
 
 
 FX_CACHE_SCRIPT = """
-    import sys, torch
+    import json, sys, torch, nsa_inductor
     from torch._dynamo.utils import counters
-    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="nsa_rocm", options={"nsa.layout": sys.argv[1]})
+    options = {"nsa.layout": sys.argv[1], "nsa.dump_dir": sys.argv[2]}
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="nsa_rocm", options=options)
     fn(torch.randn(8))
-    print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+    (report,) = nsa_inductor.last_reports()
+    print(json.dumps([counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"], report]))
 """
 
 
 def test_fx_graph_cache_hits_across_processes_and_misses_on_a_new_layout(tmp_path):
+    """A hit is served with the report its passes made when the entry was compiled (in ``last_reports()`` and the
+    dump directory, marked as served from the cache)."""
     script = tmp_path / "compile.py"
     script.write_text(textwrap.dedent(FX_CACHE_SCRIPT))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    package_root = os.path.dirname(os.path.dirname(nsa_inductor.__file__))  # the package under test, not an install
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
 
-    def hits_and_misses(layout):
-        out = subprocess.run([sys.executable, str(script), layout], capture_output=True, text=True, env=env,
-                             timeout=600)
+    def compile_in_new_process(layout):
+        dump_dir = tmp_path / f"dump-{len(list(tmp_path.iterdir()))}"
+        out = subprocess.run([sys.executable, str(script), layout, str(dump_dir)], capture_output=True, text=True,
+                             env=env, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
-        return tuple(int(v) for v in out.stdout.split())
+        hits, misses, report = json.loads(out.stdout.splitlines()[-1])
+        (written,) = dump_dir.glob("*/report.json")
+        assert json.loads(written.read_text()) == report
+        return hits, misses, report
 
-    assert hits_and_misses("paged") == (0, 1)
-    assert hits_and_misses("paged") == (1, 0)
-    assert hits_and_misses("preshuffle") == (0, 1)
+    hits, misses, compiled = compile_in_new_process("paged")
+    assert (hits, misses) == (0, 1) and "served_from_cache" not in compiled
+    hits, misses, served = compile_in_new_process("paged")
+    assert (hits, misses) == (1, 0) and served["served_from_cache"] and served["compiled_as"] == compiled["graph"]
+    assert served["passes"] == compiled["passes"] and served["layout"] == compiled["layout"]
+    hits, misses, _ = compile_in_new_process("preshuffle")
+    assert (hits, misses) == (0, 1)
 
 
 def _fold_any_float_chain(match, arg, dtype1, dtype2):
