@@ -120,3 +120,59 @@ def test_duplicate_slots_hold_the_last_token(store):
     got_v, got_s = LAYOUT.load(cache, torch.tensor([5, 9]), FN)
     assert torch.equal(got_v.view(torch.uint8), values[[3, 1]].view(torch.uint8))
     assert torch.equal(got_s, scale[[3, 1]])
+
+
+def _store(k, slots, cache):
+    torch.ops.nsa.quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN)
+
+
+def _store_idiom(k, slots, cache):
+    """The eager store, which the quant_cache_store pass rewrites into the op."""
+    from nsa_inductor.quant import act_quant
+
+    values, scale = act_quant(k, 128, "ue8m0", FN)
+    LAYOUT.store(cache, slots, values, scale[:, 0])
+
+
+def _paged_logits(q, cache, w, ctx, table):
+    return torch.ops.nsa.paged_mqa_logits(q, cache, w, ctx, table, 64, 16, False)
+
+
+def _gather(cache, table, cu):
+    return torch.ops.nsa.gather_k(cache, table, cu, 16, False, 42, FN)
+
+
+def _checks_cases():
+    gen = torch.Generator().manual_seed(4)
+    cache = random_cache(3, 16, FN, gen)
+    k = torch.randn(2, 128, generator=gen).bfloat16()
+    q, w = random_fp8((1, 1, 16, 128), FN, gen), torch.randn(1, 16, generator=gen)
+    ctx, table = torch.tensor([40], dtype=torch.int32), torch.tensor([[2, 0, 1, 2]], dtype=torch.int32)
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    gather_table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    return {  # name: (function, good arguments, bad arguments, the argument the error names)
+        "store": (_store, (k, torch.tensor([3, -1]), cache), (k, torch.tensor([3, 48]), cache), "slot_mapping"),
+        "store-rewritten": (_store_idiom, (k, torch.tensor([3, -1]), cache), (k, torch.tensor([3, 48]), cache),
+                            "slot_mapping"),
+        "paged-table": (_paged_logits, (q, cache, w, ctx, table), (q, cache, w, ctx, table.clone().fill_(3)),
+                        "block_table"),
+        "paged-context": (_paged_logits, (q, cache, w, ctx, table), (q, cache, w, ctx + 30, table), "context_lens"),
+        "gather-cu": (_gather, (cache, gather_table, cu), (cache, gather_table, cu + 4), "cu_seqlens"),
+    }
+
+
+@pytest.mark.parametrize("name", ["store", "store-rewritten", "paged-table", "paged-context", "gather-cu"])
+def test_checks_raise_naming_the_argument(name):
+    """``nsa.checks``: in-contract ids give the op's result; an id the default mode would mask raises an error
+    naming the argument (a device-side assert; on the CPU a RuntimeError)."""
+    fn, good, bad, argument = _checks_cases()[name]
+    options = {"nsa.checks": True, "nsa.layout": "paged", "nsa.page_size": 16}
+    compiled_fn = torch.compile(fn, backend="nsa_rocm", dynamic=False, options=options)
+    want_args, got_args = [[a.clone() for a in args] for args in (good, good)]
+    want, got = fn(*want_args), compiled_fn(*got_args)
+    for a, b in zip([*want_args, *(want if isinstance(want, tuple) else [want])],
+                    [*got_args, *(got if isinstance(got, tuple) else [got])]):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype == FN else a, b.view(torch.uint8) if b.dtype == FN else b)
+    with pytest.raises(RuntimeError, match=f"nsa.checks: {argument}|nsa.checks: .*{argument}"):
+        compiled_fn(*[a.clone() for a in bad])

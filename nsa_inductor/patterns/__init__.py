@@ -18,10 +18,12 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
     the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
     before ``topk_indices``, which reads their masks to bound its scan;
-    ``searchsorted_offset`` (a torch 2.11 lowering fix) runs last so the matchers see the graph as the user wrote it.
+    ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers see the graph as the user
+    wrote it; ``index_checks`` (``nsa.checks`` only) last, to see every ``nsa`` op.
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm
+    from .index_checks import IndexChecks
     from .mqa.paged import PagedMqaLogits
     from .mqa.ragged import RaggedMqaLogits
     from .quant_cache_store import QuantCacheStore
@@ -31,10 +33,12 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
 
     head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), head_gate, PagedMqaLogits(), RaggedMqaLogits(),
-                               EmptyLogitsBuffer(), TopkIndices(options.topk_order), SearchsortedOffset()]
+                               EmptyLogitsBuffer(), TopkIndices(options.topk_order), SearchsortedOffset(),
+                               IndexChecks()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]
     if unknown:
         raise ValueError(f"nsa.disable_passes names unknown pass(es) {unknown}; the passes are: {', '.join(names)}")
-    off = set(options.disable_passes) | ({head_gate.name} if options.head_gate_mode == "off" else set())
+    off = set(options.disable_passes) | ({head_gate.name} if options.head_gate_mode == "off" else set()) | (
+        set() if options.checks else {IndexChecks.name})
     return [p for p in passes if p.name not in off]
