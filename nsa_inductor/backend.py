@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .cached_reports import reports_kept_with_cache
 from .options import parse_options
 from .pass_manager import NsaPassManager
 
@@ -28,7 +29,8 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     """Inductor with the nsa pass manager as its post-grad custom pass.
 
     Reached as ``torch.compile(fn, backend="nsa_rocm")`` through the ``torch_dynamo_backends`` entry point.
-    ``nsa.*`` options configure the passes; the other options and ``mode`` go to Inductor unchanged.
+    ``nsa.*`` options configure the passes; the other options and ``mode`` go to Inductor unchanged. A graph served
+    from Inductor's caches reports what its passes did when it was compiled (:mod:`.cached_reports`).
     """
     import torch._inductor
     from torch._inductor.compile_fx import compile_fx
@@ -38,8 +40,10 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     patches.update(torch._inductor.list_mode_options(mode) if mode else {})
     patches.update(inductor_options)
     existing = inductor_options.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
-    patches["post_grad_custom_post_pass"] = NsaPassManager(nsa_options, inner=existing)
-    with _eager_layer_norm(nsa_options.eager_layer_norm), _rounding_casts_kept():
+    manager = NsaPassManager(nsa_options, inner=existing)
+    patches["post_grad_custom_post_pass"] = manager
+    with _eager_layer_norm(nsa_options.eager_layer_norm), _rounding_casts_kept(), \
+            reports_kept_with_cache(gm, example_inputs, manager):
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -137,10 +141,24 @@ class install:
         self.config.post_grad_custom_post_pass = self.manager
         for key, value in INDUCTOR_SETTINGS.items():
             setattr(self.config, key, value)
+        self._active = _ACTIVE.setdefault(id(self.config), [])
+        self._active.append(self)
 
     def __enter__(self) -> NsaPassManager:
         return self.manager
 
     def __exit__(self, *exc) -> None:
-        for key, value in self.previous.items():
-            setattr(self.config, key, value)
+        """Handles may exit in any order: one exiting under a later one hands what it found to that one."""
+        if self not in self._active:
+            return
+        i = self._active.index(self)
+        if i + 1 < len(self._active):
+            self._active[i + 1].previous = self.previous
+        else:
+            for key, value in self.previous.items():
+                setattr(self.config, key, value)
+        self._active.pop(i)
+
+
+# Handles of ``install`` still active, oldest first, per Inductor config object.
+_ACTIVE: dict[int, list[install]] = {}

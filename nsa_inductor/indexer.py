@@ -88,8 +88,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Cache slot of token ``positions[..., i]`` of each sequence (row of ``block_table``)."""
-    pages = torch.gather(block_table.clamp(min=0).long(), 1, positions // page_size)
+    """Cache slot of token ``positions[..., i]`` of each sequence (row of ``block_table``). A negative page id
+    wraps like a Python index when the slot is read (docs/indices.md)."""
+    pages = torch.gather(block_table.long(), 1, positions // page_size)
     return pages * page_size + positions % page_size
 
 

@@ -17,6 +17,15 @@ TOKEN_BYTES = HEAD_DIM + SCALE_BYTES
 SHUFFLE_TILE = 16
 
 
+def written_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Which tokens of a store write their slot (docs/indices.md): those whose slot is in ``[0, num_slots)`` and no
+    later token of the store has. Plain broadcasting (a ``[T, T]`` comparison, no sort, no host synchronisation);
+    the ``quant_cache_store`` pass drops it with the rest of the store, as the kernel applies the rule itself."""
+    slots = slots.long()
+    overwritten = (slots[:, None] == slots[None, :]).triu(1).any(1)
+    return ~overwritten & (slots >= 0) & (slots < num_slots)
+
+
 @dataclass(frozen=True)
 class KCacheLayout:
     """Where a slot's 128 fp8 values and fp32 scale live inside the uint8 cache."""
@@ -84,15 +93,18 @@ class KCacheLayout:
         return page[:, None] * self.page_bytes + self.page_size * HEAD_DIM + pos[:, None] * SCALE_BYTES + j
 
     def store(self, cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
-        """Write ``k_fp8 [N,128]`` and ``k_scale [N]`` into ``cache`` at ``slots``; negative slots write nothing.
+        """Write ``k_fp8 [N,128]`` and ``k_scale [N]`` into ``cache`` at ``slots``; a slot outside
+        ``[0, num_slots)`` (negative: padding) writes nothing, and of tokens sharing a slot the last one writes it
+        (:func:`written_slots`, docs/indices.md).
 
-        The cache is written as 32-bit words (a token's values are 32 aligned words, its scale one), and padding
-        rows are folded into the same scatter as zero increments (integer arithmetic wraps), so the store stays
-        shape-static, deterministic when a padding row and a real row share a clamped offset, and compilable by
-        Inductor on GPUs (atomic adds exist for int32, not for uint8).
+        The cache is written as 32-bit words (a token's values are 32 aligned words, its scale one), and rows that
+        write nothing are folded into the same scatter as zero increments (integer arithmetic wraps), so the store
+        stays shape-static, deterministic when such a row and a written row share a clamped offset, and compilable
+        by Inductor on GPUs (atomic adds exist for int32, not for uint8).
         """
-        valid = (slots >= 0)[:, None]
-        safe = slots.clamp(min=0)
+        num_slots = cache.shape[0] * self.page_size
+        valid = written_slots(slots, num_slots)[:, None]
+        safe = slots.clamp(0, num_slots - 1)
         words = cache.view(torch.int32).view(-1)
         for offsets, new in (
             (self.value_offsets(safe)[:, ::SCALE_BYTES] // SCALE_BYTES, k_fp8.contiguous().view(torch.int32)),
@@ -102,7 +114,8 @@ class KCacheLayout:
             words.index_put_((offsets,), delta, accumulate=True)
 
     def load(self, cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read ``(k_fp8 [N,128], k_scale [N] fp32)`` of ``slots`` (all non-negative)."""
+        """Read ``(k_fp8 [N,128], k_scale [N] fp32)`` of ``slots``; a slot in ``[-num_slots, 0)`` wraps like a Python
+        index (page ``p + num_pages``), any other slot outside ``[0, num_slots)`` raises like one."""
         flat = cache.view(-1)
         values = flat[self.value_offsets(slots)].view(fp8_dtype)
         scale = flat[self.scale_offsets(slots)].contiguous().view(torch.float32).squeeze(-1)

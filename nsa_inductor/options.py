@@ -21,6 +21,9 @@ class NsaOptions:
       bf16 hi + lo, the default), ``"round"`` (bf16(W), over DESIGN's 1e-3 logits contract) or ``"off"``.
     - ``topk_order``: ``"sorted"`` (top-k indices in torch's order: descending values where the spelling sorts, the
       default) or ``"set"`` (any order: the faster kernel, for engines that use the indices as a set).
+    - ``strict``: a pass that raises fails the compile (default: it is skipped with a warning, graph unchanged).
+    - ``checks``: device-side asserts on the index arguments of every ``nsa`` op (default: out-of-range ids are
+      masked, docs/indices.md), naming the argument; no host synchronisation.
     - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
       reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
@@ -32,6 +35,8 @@ class NsaOptions:
     head_gate_mode: str = "split"
     topk_order: str = "sorted"
     eager_layer_norm: bool = True
+    strict: bool = False
+    checks: bool = False
 
     def layout_decision(self) -> capability.LayoutDecision:
         return capability.select_layout(self.layout, self.page_size)
@@ -53,6 +58,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "head_gate_mode": (str,),
     "topk_order": (str,),
     "eager_layer_norm": (bool,),
+    "strict": (bool,),
+    "checks": (bool,),
 }
 
 

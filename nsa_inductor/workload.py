@@ -118,7 +118,8 @@ def prefill_batch(
     slots += [-1] * padding_tokens
     cu = torch.tensor([0] + all_lens).cumsum(0).to(torch.int32)
     x, q_lora = _activations(config, len(positions), gen)
-    batch = Batch(x, q_lora, torch.tensor(positions), torch.tensor(slots), cache, table, cu)
+    batch = Batch(x, q_lora, torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long), cache,
+                  table, cu)
     return Batch(*(t.to(device) for t in batch.args))
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -146,28 +147,42 @@ def test_dump_dir_has_graphs_and_report(tmp_path):
 
 
 FX_CACHE_SCRIPT = """
-    import sys, torch
+    import json, sys, torch, nsa_inductor
     from torch._dynamo.utils import counters
-    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="nsa_rocm", options={"nsa.layout": sys.argv[1]})
+    options = {"nsa.layout": sys.argv[1], "nsa.dump_dir": sys.argv[2]}
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="nsa_rocm", options=options)
     fn(torch.randn(8))
-    print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+    (report,) = nsa_inductor.last_reports()
+    print(json.dumps([counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"], report]))
 """
 
 
 def test_fx_graph_cache_hits_across_processes_and_misses_on_a_new_layout(tmp_path):
+    """A hit is served with the report its passes made when the entry was compiled (in ``last_reports()`` and the
+    dump directory, marked as served from the cache)."""
     script = tmp_path / "compile.py"
     script.write_text(textwrap.dedent(FX_CACHE_SCRIPT))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    package_root = os.path.dirname(os.path.dirname(nsa_inductor.__file__))  # the package under test, not an install
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
 
-    def hits_and_misses(layout):
-        out = subprocess.run([sys.executable, str(script), layout], capture_output=True, text=True, env=env,
-                             timeout=600)
+    def compile_in_new_process(layout):
+        dump_dir = tmp_path / f"dump-{len(list(tmp_path.iterdir()))}"
+        out = subprocess.run([sys.executable, str(script), layout, str(dump_dir)], capture_output=True, text=True,
+                             env=env, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
-        return tuple(int(v) for v in out.stdout.split())
+        hits, misses, report = json.loads(out.stdout.splitlines()[-1])
+        (written,) = dump_dir.glob("*/report.json")
+        assert json.loads(written.read_text()) == report
+        return hits, misses, report
 
-    assert hits_and_misses("paged") == (0, 1)
-    assert hits_and_misses("paged") == (1, 0)
-    assert hits_and_misses("preshuffle") == (0, 1)
+    hits, misses, compiled = compile_in_new_process("paged")
+    assert (hits, misses) == (0, 1) and "served_from_cache" not in compiled
+    hits, misses, served = compile_in_new_process("paged")
+    assert (hits, misses) == (1, 0) and served["served_from_cache"] and served["compiled_as"] == compiled["graph"]
+    assert served["passes"] == compiled["passes"] and served["layout"] == compiled["layout"]
+    hits, misses, _ = compile_in_new_process("preshuffle")
+    assert (hits, misses) == (0, 1)
 
 
 def _fold_any_float_chain(match, arg, dtype1, dtype2):
@@ -273,3 +288,89 @@ def test_topk_order_configures_the_pass_and_the_cache_key():
     assert NsaPassManager(NsaOptions(topk_order="set")).uuid() != NsaPassManager(NsaOptions()).uuid()
     with pytest.raises(ValueError, match="'sorted', 'set'"):
         parse_options({"nsa.topk_order": "unsorted"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# contained failures
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _break_rope_pass(monkeypatch):
+    """rope_copy_elision adds a node to the graph, then raises."""
+    from nsa_inductor.patterns.rope_copy_elision import RopeCopyElision
+
+    def candidates(self, graph, ctx):
+        output = next(iter(graph.find_nodes(op="output")))
+        with graph.inserting_before(output):
+            graph.call_function(torch.ops.aten.neg.default, (output.args[0][0],))
+        raise KeyError("deliberately broken")
+        yield
+
+    monkeypatch.setattr(RopeCopyElision, "candidates", candidates)
+
+
+def test_a_failing_pass_is_skipped_with_the_graph_unchanged(monkeypatch, tmp_path):
+    _break_rope_pass(monkeypatch)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.relu(x) + 2, backend="nsa_rocm", options={"nsa.dump_dir": str(tmp_path)})
+    with pytest.warns(UserWarning, match=r"pass 'rope_copy_elision' failed.*KeyError.*deliberately broken"):
+        assert torch.equal(fn(torch.tensor([-1.0, 3.0])), torch.tensor([2.0, 5.0]))
+    (graph_dir,) = list(tmp_path.iterdir())
+    report = json.loads((graph_dir / "report.json").read_text())
+    (entry,) = [p for p in report["passes"] if p["name"] == "rope_copy_elision"]
+    assert entry["matched"] == 0 and "deliberately broken" in entry["error"]
+    before, after = (graph_dir / f"01_rope_copy_elision.{s}.py" for s in ("before", "after"))
+    ops = [re.findall(r"torch\.ops\.[\w.]+", f.read_text()) for f in (before, after)]
+    assert ops[0] == ops[1] == ["torch.ops.aten.relu.default", "torch.ops.aten.add.Tensor"]  # restored (renamed)
+
+
+def test_strict_raises_the_pass_error(monkeypatch):
+    _break_rope_pass(monkeypatch)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.relu(x) + 3, backend="nsa_rocm", options={"nsa.strict": True})
+    with pytest.raises(Exception, match=r"rope_copy_elision.*deliberately broken"):
+        fn(torch.ones(2))
+
+
+def test_unwritable_dump_dir_warns_and_compiles(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.relu(x) + 4, backend="nsa_rocm", options={"nsa.dump_dir": str(not_a_dir)})
+    with pytest.warns(UserWarning, match="cannot write the graph dump"):
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 5.0))
+
+
+def test_dump_names_are_unique_per_process(tmp_path):
+    from nsa_inductor.debug import GraphDumper
+
+    names = {GraphDumper(str(tmp_path)).name for _ in range(2)}
+    assert len(names) == 2 and all(n.startswith(f"graph_{os.getpid()}_") for n in names)
+
+
+def test_disable_passes_names_are_validated():
+    nsa, _ = parse_options({"nsa.disable_passes": ["topk_indices", "no_such_pass"]})
+    with pytest.raises(ValueError, match=r"unknown pass\(es\) \['no_such_pass'\].*rope_copy_elision.*topk_indices"):
+        NsaPassManager(nsa)
+
+
+def test_install_handles_restore_in_any_exit_order():
+    import torch._inductor.config as inductor_config
+
+    user_pass = CountingPass()
+    with inductor_config.patch(post_grad_custom_post_pass=user_pass, emulate_precision_casts=False):
+        first, second = nsa_inductor.install(), nsa_inductor.install()
+        first.__exit__(None, None, None)
+        assert inductor_config.post_grad_custom_post_pass is second.manager
+        second.__exit__(None, None, None)
+        assert inductor_config.post_grad_custom_post_pass is user_pass
+        assert not inductor_config.emulate_precision_casts
+
+
+def test_prefill_batch_of_empty_sequences_has_integer_positions():
+    from nsa_inductor.indexer import IndexerConfig
+    from nsa_inductor.layout import KCacheLayout
+    from nsa_inductor.workload import prefill_batch
+
+    batch = prefill_batch(IndexerConfig().small(), KCacheLayout(16), [0])
+    assert batch.positions.dtype == torch.int64 and batch.slot_mapping.dtype == torch.int64

@@ -12,7 +12,7 @@ import torch
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, static_cache
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compile_indexer, compiled, other
 from helpers.pass_helpers import assert_k_cache_matches, assert_matches_eager
 from helpers.reference64 import assert_logits_close
 
@@ -28,7 +28,7 @@ def test_compiled_equals_eager(config_name, layout_name, entry):
     eager_fn, compiled_fn, dump_dir = compiled(config_name, layout_name, entry)
     config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
     for batch in batches(config, layout, entry):
-        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+        assert_matches_eager(eager_fn, compiled_fn, batch)
     graphs = reports(dump_dir)
     assert graphs, "the pass manager wrote no report"
     for report in graphs:
@@ -54,10 +54,53 @@ def test_prefill_of_one_sequence_is_rewritten():
     eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     batch = prefill_batch(config, layout, [23], seed=5, cache_pages=CACHE_SLOTS // layout.page_size)
-    assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+    assert_matches_eager(eager_fn, compiled_fn, batch)
     for report in reports(dump_dir):
         matched = {p["name"]: p["matched"] for p in report["passes"]}
         assert matched == EXPECTED_MATCHES["prefill"], f"{report['graph']}: {report['passes']}"
+
+
+def size_batches(entry):
+    """Decode B in {1, 2, 7, 64} x next_n in {1, 2}, prefill T in {1, 5}; B=64 sequences of one page each (the
+    CACHE_SLOTS cache holds 64 pages of 16)."""
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    pages = CACHE_SLOTS // layout.page_size
+    if entry == "prefill":
+        return {f"T={sum(lens)}": prefill_batch(config, layout, lens, seed=6, cache_pages=pages) for lens in ([1], [2, 3])}
+    out = {}
+    for next_n in (1, 2):
+        for b in (1, 2, 7, 64):
+            lens = [(5 * i) % 15 + 2 for i in range(b)] if b == 64 else [(7 * i + 9) % 46 + 2 for i in range(b)]
+            out[f"B={b} next_n={next_n}"] = decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=b,
+                                                         cache_pages=pages)
+    return out
+
+
+def dynamic_batch(batch):
+    """Every size but the cache's symbolic from the first compile on (one dynamic graph, not a static one first),
+    except where it is 1: Dynamo specialises that."""
+    for t in (batch.x, batch.q_lora, batch.positions, batch.slot_mapping, batch.block_table, batch.lens):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return batch
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+@pytest.mark.parametrize("indexer", ["reference", "other"])
+def test_every_batch_size_stores_without_cache_copies(indexer, entry):
+    """Size 1 is specialised by Dynamo (its own graph, squeezed shapes); the other sizes share the dynamic graph.
+    On every graph the store is rewritten and no copy of the cache remains (report figure ``cache_copies``)."""
+    eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", entry) if indexer == "reference" else \
+        other("paged", entry)
+    for name, batch in size_batches(entry).items():
+        if indexer == "other":  # its padding convention: a reserved dummy slot, not -1 (none of these pad)
+            assert (batch.slot_mapping >= 0).all(), name
+        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=dynamic_batch)
+    graphs = reports(dump_dir)
+    assert len(graphs) >= 2, "size 1 compiles a graph of its own"
+    for report in graphs:
+        (store,) = [p for p in report["passes"] if p["name"] == "quant_cache_store"]
+        assert store["matched"] == 1, f"{report['graph']}: {store['near_misses']}"
+        assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
 
 
 GPU_LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(64), "preshuffle": KCacheLayout(64, preshuffle=True)}
@@ -73,7 +116,7 @@ def compiled_gpu(config_name: str, layout_name: str, entry: str, disabled: tuple
     options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir),
                "nsa.disable_passes": list(disabled)}
     fn = getattr(model, entry)
-    return config, layout, fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
+    return config, layout, fn, compile_indexer(fn, options), dump_dir
 
 
 def gpu_cases(config, layout, entry):
@@ -98,7 +141,7 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
     config, layout, eager_fn, compiled_fn, dump_dir = compiled_gpu(config_name, layout_name, entry)
     with torch.no_grad():
         for batch in gpu_cases(config, layout, entry):
-            eager, comp = batch.clone(), static_cache(batch.clone())
+            eager, comp = batch.clone(), batch.clone()
             logits, topk = eager_fn(*eager.args)
             c_logits, c_topk = compiled_fn(*comp.args)
             assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping, layout)
@@ -119,7 +162,7 @@ def test_disabling_the_reordering_passes_keeps_eager_bytes_on_gpu(entry):
                                                                    ("rotate_act_quant", "wk_gate_gemm"))
     with torch.no_grad():
         for batch in gpu_cases(config, layout, entry):
-            eager, comp = batch.clone(), static_cache(batch.clone())
+            eager, comp = batch.clone(), batch.clone()
             logits, _ = eager_fn(*eager.args)
             c_logits, _ = compiled_fn(*comp.args)
             assert torch.equal(eager.kv_cache, comp.kv_cache), "K-cache bytes differ"

@@ -192,9 +192,16 @@ def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Cache slot of token ``pos`` of sequence ``seq`` (broadcasting); out-of-table pages read page 0."""
+def slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int, num_pages: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slot of token ``pos`` of sequence ``seq`` (broadcasting) and whether it is readable (docs/indices.md).
+
+    Readable: ``0 <= pos // page_size < max_pages`` and the page id ``p`` in ``[-num_pages, num_pages)``; a negative
+    id wraps like a Python index (page ``p + num_pages``). Unreadable entries get slot 0 (a safe address to load).
+    """
     page_col = pos // page_size
-    in_table = page_col < block_table.shape[1]
-    page = block_table[seq, page_col.clamp(max=block_table.shape[1] - 1)].long()
-    return torch.where(in_table, page * page_size + pos % page_size, 0)
+    in_table = (page_col >= 0) & (page_col < block_table.shape[1])
+    page = block_table[seq, page_col.clamp(0, block_table.shape[1] - 1)].long()
+    page = torch.where(page < 0, page + num_pages, page)
+    readable = in_table & (page >= 0) & (page < num_pages)
+    return torch.where(readable, page * page_size + pos % page_size, 0), readable

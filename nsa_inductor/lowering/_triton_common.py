@@ -38,6 +38,15 @@ def interpreted(kernel) -> bool:
 
 
 @triton.jit
+def readable_page(page, ok, num_pages):
+    """A block-table entry as a page to read, and where it may be read (docs/indices.md): ids in
+    ``[-num_pages, 0)`` wrap like Python indices, ids outside ``[-num_pages, num_pages)`` are not read."""
+    page = tl.where(page < 0, page + num_pages, page)
+    ok = ok & (page >= 0) & (page < num_pages)
+    return tl.where(ok, page, 0), ok
+
+
+@triton.jit
 def value_offsets(page, pos, d, PAGE_SIZE: tl.constexpr, PRESHUFFLE: tl.constexpr):
     """Byte offset of value ``d`` of position ``pos`` in ``page`` (DESIGN §3); inputs broadcast."""
     base = page.to(tl.int64) * (PAGE_SIZE * 132)
@@ -90,13 +99,15 @@ def round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constex
 @triton.jit
 def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
                   SIGNED_ZERO: tl.constexpr, ON_GPU: tl.constexpr):
-    """act_quant of each row of fp32 ``x [R, block]``: ``(values on the fp8 grid, still fp32, scale [R])``.
+    """act_quant of each row of fp32 ``x [R, block]``: ``(values on the fp8 grid, still fp32, scale [R])``; a row
+    holding NaN gets a NaN scale and NaN values, as the torch reference.
 
     Bit-identical to the torch reference (``quant.act_quant``) on the same device: torch on a GPU computes
     ``amax / fmax`` as ``amax * (1/fmax)`` (scalar divisor) and log2/exp2 with the device math library
     (libdevice/ocml); on the host (interpreter) it divides exactly. ``x / scale`` is an IEEE division in both.
     """
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)  # GPU max/maximum drop NaN
     if ON_GPU:
         scale = amax * INV_FMAX
     else:
@@ -106,8 +117,9 @@ def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.const
             scale = libdevice.exp2(tl.math.ceil(libdevice.log2(scale)))
         else:
             scale = tl.exp2(tl.math.ceil(tl.log2(scale)))
-    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-    return round_to_fp8_grid(y, x, MIN_EXP, SIGNED_ZERO), scale
+    quotient = tl.math.div_rn(x, scale[:, None])
+    y = round_to_fp8_grid(tl.clamp(quotient, -FMAX, FMAX), x, MIN_EXP, SIGNED_ZERO)
+    return tl.where(quotient != quotient, quotient, y), scale  # NaN stays NaN
 
 
 @triton.jit

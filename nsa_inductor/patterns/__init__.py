@@ -20,11 +20,12 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     and before ``head_gate_gemm``, whose gate chain then reads the fused op's scale;
     the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
     before ``topk_indices``, which reads their masks to bound its scan; ``wk_gate_gemm`` anchors on the op
-    ``head_gate_gemm`` inserts;
-    ``searchsorted_offset`` (a torch 2.11 lowering fix) runs last so the matchers see the graph as the user wrote it.
+    ``head_gate_gemm`` inserts; ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers
+    see the graph as the user wrote it; ``index_checks`` (``nsa.checks`` only) last, to see every ``nsa`` op.
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm
+    from .index_checks import IndexChecks
     from .mqa.paged import PagedMqaLogits
     from .mqa.ragged import RaggedMqaLogits
     from .quant_cache_store import QuantCacheStore
@@ -34,9 +35,18 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .topk_indices import TopkIndices
     from .wk_gate_gemm import WkGateGemm
 
-    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant()]
-    if options.head_gate_mode != "off":
-        passes += [HeadGateGemm(mode=options.head_gate_mode), WkGateGemm()]
-    passes += [PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
-               SearchsortedOffset()]
-    return [p for p in passes if p.name not in options.disable_passes]
+    head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
+    wk_gate = WkGateGemm()
+    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), head_gate, wk_gate,
+                               PagedMqaLogits(), RaggedMqaLogits(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
+                               SearchsortedOffset(), IndexChecks()]
+    names = [p.name for p in passes]
+    unknown = [name for name in options.disable_passes if name not in names]
+    if unknown:
+        raise ValueError(f"nsa.disable_passes names unknown pass(es) {unknown}; the passes are: {', '.join(names)}")
+    off = set(options.disable_passes)
+    if options.head_gate_mode == "off":
+        off |= {head_gate.name, wk_gate.name}
+    if not options.checks:
+        off.add(IndexChecks.name)
+    return [p for p in passes if p.name not in off]

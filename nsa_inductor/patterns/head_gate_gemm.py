@@ -6,8 +6,12 @@ frozen ``get_attr``, or a graph input AOTAutograd lists as static: parameters, b
 Rewrites to ``nsa.head_gate_gemm(x_bf16, W, splits, mode == "round")`` split-K partials summed by pointwise adds
 (Inductor fuses them into the scale chain after it). Mode "split" keeps W32 as bf16 hi + lo (~5e-6 relative
 logits error); "round" uses bf16(W) (1.0e-3 to 1.7e-3, over DESIGN's contract); a bf16 W is used as is.
+Fires only where the gates reach indexer logits (the rule for every numerics-changing pass, docs/passes/
+head_gate_gemm.md): the output must flow into MQA logits that :func:`~.mqa.proofs.analyze` proves on this graph
+(the logits passes run later and rewrite them), or into an ``nsa`` logits op.
 Never (near misses): an activation weight; an fp32 result rounded to bf16/fp16/fp8 downstream (e.g. a Hadamard
-rotation feeding act_quant, whose exact bytes matter more); a bf16 GEMM result also used in bf16.
+rotation feeding act_quant, whose exact bytes matter more); a bf16 GEMM result also used in bf16; a GEMM whose
+output reaches no indexer logits (a plain ``nn.Linear`` gate elsewhere in a model).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import as_int, describe, erase_dead, insert_call, is_op, sym_equal, tensor_val, view_chain
+from .mqa.proofs import analyze, cache_values
+from .mqa.proofs import candidates as logits_candidates
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -120,6 +126,44 @@ def _rounded_downstream(node: torch.fx.Node) -> str | None:
     return None
 
 
+_LOGITS_OPS = ("nsa.paged_mqa_logits.default", "nsa.mqa_logits.default")
+
+
+def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> set[torch.fx.Node]:
+    """The nodes holding indexer logits: ``nsa`` logits ops, and the head sums of plain-torch MQA logits that
+    :func:`~.mqa.proofs.analyze` proves (on the graph as it is, before the logits passes rewrite them)."""
+    found = {n for n in graph.nodes if n.op == "call_function" and str(n.target) in _LOGITS_OPS}
+    if ctx is None:
+        return found
+    leaves = cache_values(graph)
+    for sum_node, where in logits_candidates(graph):
+        try:
+            analyze(sum_node, where, ctx.decision.layout, leaves)
+        except NearMiss:
+            continue
+        found.add(sum_node)
+    return found
+
+
+def _reaches(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
+    """Whether ``node``'s value flows into one of ``targets`` (breadth first, bounded like the rounding walk)."""
+    seen, queue = {node}, collections.deque([node])
+    while queue and len(seen) < DOWNSTREAM_LIMIT:
+        for user in queue.popleft().users:
+            if user in targets:
+                return True
+            if user not in seen:
+                seen.add(user)
+                queue.append(user)
+    return False
+
+
+def _check_reaches_logits(out: torch.fx.Node, logits: set[torch.fx.Node]) -> None:
+    if not _reaches(out, logits):
+        raise NearMiss(f"the GEMM output {describe(out)} reaches no indexer logits (MQA logits idiom or nsa logits "
+                       "op): a GEMM outside the indexer keeps its exact numerics")
+
+
 def transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
     """``W`` for ``b = permute(W, [1, 0])`` / ``t(W)`` (``F.linear``, ``x @ W.t()``) or ``b = W`` (``x @ W``), 2-D."""
     if is_op(b, aten.permute.default) and list(b.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
@@ -207,6 +251,7 @@ class HeadGateGemm(GraphPass):
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
         static = static_inputs(graph)
+        logits = None  # proven on the first GEMM candidate: most graphs have none
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.graph is not graph:
                 continue
@@ -217,20 +262,21 @@ class HeadGateGemm(GraphPass):
             else:
                 continue
             if parts is not None:
-                yield node, parts, static
+                logits = indexer_logits(graph, ctx) if logits is None else logits
+                yield node, parts, static, logits
 
     def anchor(self, candidate: tuple) -> torch.fx.Node:
         return candidate[0]
 
     def rewrite(self, graph: torch.fx.Graph, candidate: tuple, ctx: PassContext | None) -> None:
-        node, parts, static = candidate
+        node, parts, static, logits = candidate
         if is_op(node, aten.mm.default, aten.addmm.default):
-            self._upcast_gemm(graph, node, *parts, static)
+            self._upcast_gemm(graph, node, *parts, static, logits)
         else:
-            self._gemm_then_upcast(graph, node, *parts, static)
+            self._gemm_then_upcast(graph, node, *parts, static, logits)
 
     def _upcast_gemm(self, graph: torch.fx.Graph, mm: torch.fx.Node, x: torch.fx.Node, views: list, a, b,
-                     static: set[torch.fx.Node] | None) -> None:
+                     static: set[torch.fx.Node] | None, logits: set[torch.fx.Node]) -> None:
         """``mm(convert(x_bf16, f32), W32^T)`` (or addmm)."""
         is_addmm = is_op(mm, aten.addmm.default)
         ta, tx = tensor_val(a), tensor_val(x)
@@ -253,6 +299,7 @@ class HeadGateGemm(GraphPass):
         if rounded is not None:
             raise NearMiss(f"the fp32 GEMM output is {rounded} (e.g. a Hadamard rotation feeding act_quant): keeping "
                            "the exact fp32 GEMM")
+        _check_reaches_logits(mm, logits)
         k = as_int(tb.shape[0])
         if k is None:
             raise NearMiss(f"weight {describe(w)} has a symbolic input size {tb.shape[0]}")
@@ -265,7 +312,7 @@ class HeadGateGemm(GraphPass):
         erase_dead(graph, [mm])
 
     def _gemm_then_upcast(self, graph: torch.fx.Graph, cvt: torch.fx.Node, mm: torch.fx.Node, views: list,
-                          w: torch.fx.Node, static: set[torch.fx.Node] | None) -> None:
+                          w: torch.fx.Node, static: set[torch.fx.Node] | None, logits: set[torch.fx.Node]) -> None:
         """``convert(mm(x_bf16, W16^T), f32)``, possibly with reshapes between the mm and the convert."""
         a, b = mm.args
         check_parameter_weight(w, torch.bfloat16, static)
@@ -276,6 +323,7 @@ class HeadGateGemm(GraphPass):
         rounded = _rounded_downstream(cvt)
         if rounded is not None:
             raise NearMiss(f"the fp32 result is {rounded}: keeping the eager bf16 GEMM")
+        _check_reaches_logits(cvt, logits)
         k = as_int(tensor_val(a).shape[1])
         if k is None:
             raise NearMiss(f"weight {describe(w)} has a symbolic input size {tensor_val(a).shape[1]}")

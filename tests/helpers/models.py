@@ -1,8 +1,8 @@
 """Compiled models shared by the test modules (compiling costs seconds): the reference indexer per config, layout and
 entry point, the independently written indexer, and the batches they run on.
 
-Every caller of :func:`compiled` runs it on caches of ``CACHE_SLOTS`` slots marked static (``static_cache``), so
-the graphs in its dump directory are the same whichever test module compiles it first."""
+Every compiled entry point here marks its K cache static on each call (``compile_indexer``) and is run on caches of
+``CACHE_SLOTS`` slots, so the graphs in its dump directory are the same whichever test compiles it first."""
 
 from __future__ import annotations
 
@@ -31,17 +31,26 @@ def compiled(config_name: str, layout_name: str, entry: str):
     dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-{config_name}-{layout_name}-{entry}-"))
     options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
     fn = getattr(model, entry)
-    return fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
+    return fn, compile_indexer(fn, options), dump_dir
 
 
-CACHE_SLOTS = 512  # one cache shape for every batch, as in serving: only the token count varies between compiles
+CACHE_SLOTS = 1024  # one cache shape for every batch, as in serving: only the token count varies between compiles
 
 
-def static_cache(batch):
-    """All models here share ``Indexer.decode``'s code object, so Dynamo would turn the differing cache sizes of
-    different layouts into symbols; a serving engine's cache has one shape, which this restores."""
-    torch._dynamo.mark_static(batch.kv_cache)
-    return batch
+def compile_indexer(fn, options: dict):
+    """``fn`` (an indexer's ``decode`` or ``prefill``) compiled with nsa_rocm; every call marks the K cache static.
+
+    The models share code objects (``Indexer.decode`` for every config and layout, ``OtherIndexer.decode`` for two
+    layouts), and Dynamo keeps its automatic-dynamic state per code object: without the mark, the first caller with
+    another cache size would make the cache symbolic for every later compile of every model, and the store pass
+    refuses a symbolic cache. A serving engine's cache has one shape."""
+    compiled_fn = torch.compile(fn, backend="nsa_rocm", options=options)
+
+    def call(x, q_lora, positions, slot_mapping, kv_cache, *rest):
+        torch._dynamo.mark_static(kv_cache)
+        return compiled_fn(x, q_lora, positions, slot_mapping, kv_cache, *rest)
+
+    return call
 
 
 def batches(config, layout, entry):
@@ -63,4 +72,4 @@ def other(layout_name: str, entry: str):
     dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-other-{layout_name}-{entry}-"))
     options = {"nsa.layout": layout_name, "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
     fn = getattr(model, entry)
-    return fn, torch.compile(fn, backend="nsa_rocm", options=options), dump_dir
+    return fn, compile_indexer(fn, options), dump_dir

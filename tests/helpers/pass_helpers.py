@@ -26,9 +26,12 @@ def graph_dirs(dump_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in dump_dir.iterdir() if p.is_dir())
 
 
+def read_report(graph_dir: pathlib.Path) -> dict:
+    return json.loads((graph_dir / "report.json").read_text())
+
+
 def pass_entry(graph_dir: pathlib.Path, name: str) -> dict:
-    report = json.loads((graph_dir / "report.json").read_text())
-    (entry,) = [p for p in report["passes"] if p["name"] == name]
+    (entry,) = [p for p in read_report(graph_dir)["passes"] if p["name"] == name]
     return entry
 
 

@@ -13,6 +13,7 @@ from nsa_inductor.layout import KCacheLayout
 from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, assert_fp8_close, \
     assert_rows_close, assert_topk_valid, eager_topk_rows, integer_rows, \
     head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
+from helpers.guards import Guarded
 from helpers.reference64 import assert_logits_close
 
 pytestmark = [
@@ -425,3 +426,86 @@ def test_rotation_ops_capture_in_cuda_graph():
     want_values, want_scales = step()
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
     assert torch.equal(replayed, cache)
+
+
+def _bad_ids(limit: int, count: int, gen) -> torch.Tensor:
+    """In-range ids, the edges of [-limit, limit) and far outside, shuffled."""
+    edges = torch.tensor([-(2**31), -limit - 1, -limit, -1, limit, limit + 1, 10**9, 2**31 - 1])
+    ids = torch.cat([edges, torch.randint(-2 * limit, 2 * limit, (count,), generator=gen)])
+    return ids[torch.randperm(ids.numel(), generator=gen)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quant_cache_store_writes_only_inside_the_cache(layout):
+    """docs/indices.md on the device: out-of-range slots write nothing, the bytes around the cache stay as they were."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(11)
+    num_pages = 4
+    slots = _bad_ids(num_pages * page_size, 200, gen).unique()  # unique: duplicates are another test's subject
+    slots = slots[torch.randperm(slots.numel(), generator=gen)].to(DEV)
+    k = (torch.randn(slots.numel(), 128, generator=gen) * 3).bfloat16().to(DEV)
+    cache = Guarded((num_pages, page_size * 132), torch.uint8, gen, device=DEV)
+    want = cache.view.clone()
+    reference.quant_cache_store(k, want, slots, page_size, preshuffle, "ue8m0", FN)
+    _tk("quant_cache_store").quant_cache_store(k, cache.view, slots, page_size, preshuffle, "ue8m0", FN)
+    torch.cuda.synchronize()
+    cache.assert_guards_intact()
+    assert torch.equal(cache.view, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gather_k_and_paged_logits_read_only_inside_the_cache(layout):
+    """Block tables full of unreadable ids, cu_seqlens not starting at 0: results as the reference gives them (guard
+    bytes never show up), no byte around the cache or the outputs written."""
+    from nsa_inductor.lowering.gather_k import reference as gather_ref
+    from nsa_inductor.lowering.paged_mqa_logits import reference as paged_ref
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(12)
+    num_pages, batch, max_pages = 6, 4, 5
+    cache = Guarded((num_pages, page_size * 132), torch.uint8, gen, device=DEV,
+                    fill=random_paged_cache([1], page_size, FN, gen, spare_pages=num_pages - 1)[0].to(DEV))
+    table = _bad_ids(num_pages, batch * max_pages, gen)[: batch * max_pages].view(batch, max_pages).int().to(DEV)
+    ctx = torch.tensor([0, 3, max_pages * page_size, max_pages * page_size + 9], dtype=torch.int32, device=DEV)
+    q = random_fp8((batch, 1, 32, 128), FN, gen).to(DEV)
+    weights = torch.randn(batch, 32, generator=gen).to(DEV)
+    max_len = max_pages * page_size + 40
+    out = Guarded((batch, max_len), torch.float32, gen, device=DEV)
+    args = (q, cache.view, weights, ctx, table, max_len, page_size, preshuffle)
+    got = _tk("paged_mqa_logits").paged_mqa_logits(*args, out=out.view)
+    assert_logits_close(got, paged_ref.paged_mqa_logits(*args), rtol=1e-3)
+
+    cu = torch.tensor([3, 10, 10, 40, 60], dtype=torch.int32, device=DEV)
+    n = 64
+    out_k, out_scale = Guarded((n, 128), torch.uint8, gen, device=DEV), Guarded((n,), torch.float32, gen, device=DEV)
+    k, scale = _tk("gather_k").gather_k(cache.view, table, cu, page_size, preshuffle, n, FN,
+                                        out=(out_k.view.view(FN), out_scale.view))
+    want_k, want_scale = gather_ref.gather_k(cache.view, table, cu, page_size, preshuffle, n, FN)
+    torch.cuda.synchronize()
+    for guarded in (cache, out, out_k, out_scale):
+        guarded.assert_guards_intact()
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", _native_fp8_types())
+def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
+    """Many tokens per slot (the last one's values and scale land), rows with NaN and +-inf (NaN stays NaN)."""
+    from nsa_inductor.layout import KCacheLayout
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(13)
+    k = torch.randn(4096, 128, generator=gen) * torch.logspace(-3, 3, 4096)[:, None]
+    k[::97, 5], k[::89, 9], k[::83, 11] = float("nan"), float("inf"), float("-inf")
+    k = k.to(DEV)
+    slots = torch.randint(0, 300, (4096,), generator=gen).to(DEV)
+    cache = torch.zeros(300 // 64 + 1, 64 * 132, dtype=torch.uint8, device=DEV)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, 64, False, "ue8m0", dtype)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, "ue8m0", dtype)
+    layout, every = KCacheLayout(64), torch.arange(300, device=DEV)
+    (got_v, got_s), (want_v, want_s) = layout.load(cache, every, dtype), layout.load(want, every, dtype)
+    torch.testing.assert_close(got_s, want_s, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(got_v.float(), want_v.float(), equal_nan=True, rtol=0, atol=0)

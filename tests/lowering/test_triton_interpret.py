@@ -23,6 +23,7 @@ from nsa_inductor.indexer import hadamard_matrix
 from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
     assert_fp8_close, assert_rows_close, assert_topk_valid, eager_topk_rows, head_gate_weight64, integer_rows, \
     paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, tie_weights, topk_case
+from helpers.guards import Guarded, bad_ids
 from helpers.reference64 import assert_logits_close
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
@@ -72,6 +73,67 @@ def test_quant_cache_store_bytes_match_reference(layout, scale_fmt, dtype):
 
 
 @child_only
+@HYP
+@given(slots=st.lists(st.one_of(bad_ids(32), st.integers(0, 3)), min_size=1, max_size=8),
+       layout=st.sampled_from(LAYOUTS), int64=st.booleans(), seed=st.integers(0, 99))
+def test_quant_cache_store_writes_only_inside_the_cache(slots, layout, int64, seed):
+    """Slots outside [0, 32) (one past the end, 10**9, int32 extremes) write nothing, duplicates leave the last
+    token's values and scale: cache bytes as the reference writes them, the bytes around the cache unchanged."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.randn(len(slots), 128, generator=gen) * 3).bfloat16()
+    slot_mapping = torch.tensor(slots, dtype=torch.int64 if int64 else torch.int32)
+    cache = Guarded((32 // page_size, page_size * 132), torch.uint8, gen)
+    want = cache.view.clone()
+    reference.quant_cache_store(k, want, slot_mapping, page_size, preshuffle, "ue8m0", FN)
+    _kernels("quant_cache_store").quant_cache_store(k, cache.view, slot_mapping, page_size, preshuffle, "ue8m0", FN)
+    cache.assert_guards_intact()
+    assert torch.equal(cache.view, want)
+
+
+@child_only
+def test_quant_cache_store_duplicates_across_programs_and_scan_blocks():
+    """300 tokens on 40 slots: a token's later duplicates sit in its own program, in others and past the
+    kernel's first 128-slot scan block; each slot holds the last token's values and scale, as the reference writes
+    it. (The interpreter runs programs in order, so it shows a wrong token chosen, not a missing skip: the GPU twin
+    in test_kernels_gpu.py shows that.)"""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(3)
+    k = (torch.randn(300, 128, generator=gen) * 3).bfloat16()
+    slots = torch.randint(-2, 40, (300,), generator=gen)
+    slots[:4] = 45  # written only by the first program: its last token
+    slots[-1] = slots[4]
+    cache = torch.randint(0, 256, (3, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, 16, False, "ue8m0", FN)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN)
+    assert torch.equal(cache, want)
+
+
+@child_only
+@pytest.mark.parametrize("dtype", [FN, FNUZ])
+def test_quant_cache_store_keeps_nan_and_inf_as_the_reference(dtype):
+    """Rows with a NaN, with +-inf, and both: values and scale decode as the reference's (NaN where it has NaN)."""
+    from nsa_inductor.layout import KCacheLayout
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    k = torch.randn(4, 128, generator=torch.Generator().manual_seed(5))
+    k[0, 3], k[1, 7], k[2, 9], k[3, 1], k[3, 2] = float("nan"), float("inf"), float("-inf"), float("nan"), float("inf")
+    slots = torch.arange(4)
+    cache, want = torch.zeros(1, 16 * 132, dtype=torch.uint8), torch.zeros(1, 16 * 132, dtype=torch.uint8)
+    reference.quant_cache_store(k, want, slots, 16, False, "ue8m0", dtype)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", dtype)
+    layout = KCacheLayout(16)
+    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, dtype), layout.load(want, slots, dtype)
+    assert want_v[0].float().isnan().all() and want_s[0].isnan()
+    torch.testing.assert_close(got_s, want_s, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(got_v.float(), want_v.float(), equal_nan=True, rtol=0, atol=0)
+
+
+@child_only
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16, None])
 @pytest.mark.parametrize("input_scale", [128**-0.5, 1.0])
 def test_quant_cache_store_input_epilogue_matches_reference(input_dtype, input_scale):
@@ -111,6 +173,61 @@ def test_gather_k_matches_reference(layout):
     want_k, want_scale = reference.gather_k(cache, block_table, cu, page_size, preshuffle, num_tokens, FN)
     assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(scale, want_scale)
+
+
+@child_only
+@HYP
+@given(pages=st.lists(bad_ids(4), min_size=6, max_size=6), lengths=st.lists(st.integers(0, 40), min_size=2,
+       max_size=2), first=st.integers(0, 5), decreasing=st.booleans(), layout=st.sampled_from(LAYOUTS),
+       seed=st.integers(0, 99))
+def test_gather_k_reads_only_inside_the_cache(pages, lengths, first, decreasing, layout, seed):
+    """Block-table entries outside [-4, 4), cu_seqlens not starting at 0: zero rows, as the reference gives, and
+    nothing read or written outside the cache and the outputs (guard bytes would show up as values). Decreasing
+    cu_seqlens: only the memory guarantee."""
+    from nsa_inductor.lowering.gather_k import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    cache = Guarded((4, page_size * 132), torch.uint8, gen)
+    block_table = torch.tensor(pages, dtype=torch.int32).view(2, 3)
+    cu = torch.tensor([first, first + lengths[0], first + lengths[0] + lengths[1]], dtype=torch.int32)
+    if decreasing:
+        cu = cu.flip(0)
+    num_tokens = int(cu.max()) + 2
+    out_k, out_scale = Guarded((num_tokens, 128), torch.uint8, gen), Guarded((num_tokens,), torch.float32, gen)
+    k, scale = _kernels("gather_k").gather_k(cache.view, block_table, cu, page_size, preshuffle, num_tokens, FN,
+                                             out=(out_k.view.view(FN), out_scale.view))
+    for guarded in (cache, out_k, out_scale):
+        guarded.assert_guards_intact()
+    if not decreasing:
+        want_k, want_scale = reference.gather_k(cache.view, block_table, cu, page_size, preshuffle, num_tokens, FN)
+        assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+
+
+@child_only
+@HYP
+@given(pages=st.lists(bad_ids(3), min_size=4, max_size=4), ctx=st.lists(st.integers(0, 70), min_size=2, max_size=2),
+       layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 99))
+def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, seed):
+    """Block-table entries outside [-3, 3) are -inf keys (negative ids in range wrap), contexts past the table:
+    logits as the reference gives them, nothing read or written outside the cache and the output."""
+    from nsa_inductor.lowering.paged_mqa_logits import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    cache = Guarded((3, page_size * 132), torch.uint8, gen, fill=random_cache(3, page_size, FN, gen))
+    block_table = torch.tensor(pages, dtype=torch.int32).view(2, 2)
+    q = random_fp8((2, 1, 16, 128), FN, gen)
+    weights = torch.randn(2, 16, generator=gen)
+    max_len = 2 * page_size + 5
+    args = (q, cache.view, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, page_size, preshuffle)
+    out = Guarded((2, max_len), torch.float32, gen)
+    got = _kernels("paged_mqa_logits").paged_mqa_logits(*args, out=out.view, config=_kernels(
+        "paged_mqa_logits").PagedConfig(chunk=32, block_n=16))
+    cache.assert_guards_intact()
+    out.assert_guards_intact()
+    assert_logits_close(got, reference.paged_mqa_logits(*args), rtol=1e-5)
 
 
 @child_only

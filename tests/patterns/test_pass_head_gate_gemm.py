@@ -131,6 +131,15 @@ def test_option_turns_the_pass_off():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def to_logits(gates: torch.Tensor) -> torch.Tensor:
+    """Indexer logits weighted by ``gates [T, H]`` (through the ``nsa`` op): the consumer the pass requires."""
+    tokens, heads = gates.shape
+    q8 = torch.ones(tokens, heads, 128, device=gates.device).to(torch.float8_e4m3fn)
+    k8 = torch.ones(4, 128, device=gates.device).to(torch.float8_e4m3fn)
+    ks = torch.zeros(tokens, dtype=torch.int32, device=gates.device)
+    return torch.ops.nsa.mqa_logits(q8, k8, torch.ones(4, device=gates.device), gates, ks, ks + 4)
+
+
 class Gates(nn.Module):
     def __init__(self, spelling):
         super().__init__()
@@ -157,7 +166,8 @@ class Gates(nn.Module):
             y = F.linear(x.float(), w.float())
         else:
             raise AssertionError(s)
-        return y * 8**-0.5 * 0.5
+        gates = y * 8**-0.5 * 0.5
+        return gates, to_logits(gates)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +187,7 @@ def test_spellings(spelling, expect):
     w_act = torch.randn(8, 64) / 8
     compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF)
     with torch.no_grad():
-        expected, actual = module(x, w_act), compiled_fn(x, w_act)
+        expected, actual = module(x, w_act)[0], compiled_fn(x, w_act)[0]
     (graph_dir,) = graph_dirs(dump_dir)
     report = pass_entry(graph_dir, "head_gate_gemm")
     _, after = pass_graphs(graph_dir, "head_gate_gemm")
@@ -193,6 +203,32 @@ def test_spellings(spelling, expect):
         assert rel <= 1e-6, rel
 
 
+class PlainGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4096, 64, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return F.linear(x.float(), self.proj.weight)
+
+
+def test_plain_linear_gate_outside_an_indexer_keeps_its_numerics():
+    """``nn.Linear(4096, 64)`` in fp32 on bf16 activations, its output reaching no indexer logits: a near miss, and
+    the compiled result is the exact fp32 GEMM."""
+    torch.manual_seed(0)
+    gate = PlainGate()
+    x = torch.randn(8, 4096).to(torch.bfloat16)
+    compiled_fn, dump_dir = compile_with_dumps(gate, OTHERS_OFF)
+    with torch.no_grad():
+        expected, actual = gate(x), compiled_fn(x)
+    (graph_dir,) = graph_dirs(dump_dir)
+    report = pass_entry(graph_dir, "head_gate_gemm")
+    assert report["matched"] == 0
+    assert any("reaches no indexer logits" in m["reason"] for m in report["near_misses"]), report
+    assert float((actual - expected).double().norm() / expected.double().norm()) <= 1e-6
+
+
 class WideGate(nn.Module):
     """A head gate with a large K: the op's split-K partials are added back in the graph."""
 
@@ -202,7 +238,8 @@ class WideGate(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, x, q_scale):
-        return F.linear(x.float(), self.proj.weight) * 16**-0.5 * q_scale
+        gates = F.linear(x.float(), self.proj.weight) * 16**-0.5 * q_scale
+        return gates, to_logits(gates)
 
 
 @pytest.mark.parametrize("k, splits", [(1000, 1), (3000, 2), (5000, 4), (9000, 4)])
@@ -213,7 +250,7 @@ def test_split_k_partials_are_added_pointwise(k, splits):
     x, q_scale = torch.randn(5, k).to(torch.bfloat16), torch.rand(5, 16)
     compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF)
     with torch.no_grad():
-        expected, actual = module(x, q_scale), compiled_fn(x, q_scale)
+        expected, actual = module(x, q_scale)[0], compiled_fn(x, q_scale)[0]
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "head_gate_gemm")["matched"] == 1
     before, after = pass_graphs(graph_dir, "head_gate_gemm")
@@ -231,7 +268,7 @@ def test_dynamic_rows():
     for rows in (5, 9, 0):
         x, q_scale = torch.randn(rows, 3000).to(torch.bfloat16), torch.rand(rows, 16)
         with torch.no_grad():
-            expected, actual = module(x, q_scale), compiled_fn(x, q_scale)
+            expected, actual = module(x, q_scale)[0], compiled_fn(x, q_scale)[0]
         assert actual.shape == (rows, 16)
         assert float((actual - expected).double().norm()) <= 1e-5 * float(expected.double().norm())
     for graph_dir in graph_dirs(dump_dir):
@@ -251,7 +288,7 @@ def test_frozen_weight_is_used_as_is():
     x, q_scale = torch.randn(5, 3000).to(torch.bfloat16), torch.rand(5, 16)
     with inductor_config.patch({"freezing": True, "cpp.weight_prepack": False}), torch.no_grad():
         compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF)
-        expected, actual = module(x, q_scale), compiled_fn(x, q_scale)
+        expected, actual = module(x, q_scale)[0], compiled_fn(x, q_scale)[0]
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "head_gate_gemm")["matched"] == 1
     before, after = pass_graphs(graph_dir, "head_gate_gemm")

@@ -9,7 +9,7 @@ import torch
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import prefill_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other, static_cache
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other
 from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, near_miss_reasons, pass_entry, pass_graphs
 
 NAME = "ragged_mqa_logits"
@@ -35,7 +35,7 @@ def test_fires_on_reference_prefill(config_name, layout_name):
     eager_fn, compiled_fn, dump_dir = compiled(config_name, layout_name, "prefill")
     config, layout = CONFIGS[config_name], LAYOUTS[layout_name]
     for batch in batches(config, layout, "prefill"):
-        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+        assert_matches_eager(eager_fn, compiled_fn, batch)
     assert_fired(dump_dir)
 
 
@@ -46,7 +46,7 @@ def test_dynamic_token_count():
     for lens, pad, seed in (([9, 17, 1], 3, 3), ([5, 20], 0, 4), ([33, 2, 0, 7], 1, 5)):
         batch = prefill_batch(config, layout, lens, padding_tokens=pad, seed=seed,
                               cache_pages=CACHE_SLOTS // layout.page_size)
-        assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+        assert_matches_eager(eager_fn, compiled_fn, batch)
     assert len(graph_dirs(dump_dir)) >= 2
     assert_fired(dump_dir)
 
@@ -54,7 +54,9 @@ def test_dynamic_token_count():
 @pytest.mark.parametrize("layout_name", ["flat", "paged"])
 def test_fires_on_other_indexer(layout_name):
     eager_fn, compiled_fn, dump_dir = other(layout_name, "prefill")
-    batch = prefill_batch(CONFIGS["deepseek_v32"], LAYOUTS[layout_name], [9, 17, 1], seed=3)
+    layout = LAYOUTS[layout_name]
+    batch = prefill_batch(CONFIGS["deepseek_v32"], layout, [9, 17, 1], seed=3,
+                          cache_pages=CACHE_SLOTS // layout.page_size)
     assert_matches_eager(eager_fn, compiled_fn, batch)
     assert_fired(dump_dir)
 

@@ -15,7 +15,7 @@ from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.patterns.rotate_act_quant import RotateActQuant
 from nsa_inductor.quant import act_quant
 from nsa_inductor.workload import decode_batch, prefill_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other, static_cache
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other
 from helpers.pass_helpers import (assert_matches_eager, compile_with_dumps, count_ops, graph_dirs, near_miss_reasons,
                                   pass_entry, pass_graphs, run_pass)
 
@@ -208,7 +208,7 @@ def test_fires_on_both_indexers(which, sequences):
         other("paged", "decode")
     batch = batches(config, layout, "decode")[0] if sequences == 4 else decode_batch(
         config, layout, [33], max_len=48, seed=7, cache_pages=CACHE_SLOTS // layout.page_size)
-    assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+    assert_matches_eager(eager_fn, compiled_fn, batch)
     # the graph of this batch size, or (the shared model may have been recompiled by earlier tests) a dynamic one
     shape = re.compile(rf"\[({sequences}|s\d+), {config.n_heads}, 128\]" if sequences > 1
                        else rf"\[1, {config.n_heads}, 128\]")
@@ -236,7 +236,7 @@ def test_fires_on_a_one_token_prefill():
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
     batch = prefill_batch(config, layout, [1], seed=9, cache_pages=CACHE_SLOTS // layout.page_size)
-    assert_matches_eager(eager_fn, compiled_fn, batch, prepare=static_cache)
+    assert_matches_eager(eager_fn, compiled_fn, batch)
     (graph,) = [g for g in graph_dirs(dump_dir) if f"[1, {config.n_heads}, 128]" in (g / "00_input.py").read_text()]
     before, after = pass_graphs(graph, "rotate_act_quant")
     assert pass_entry(graph, "rotate_act_quant")["matched"] == 2

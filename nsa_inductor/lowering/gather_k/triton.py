@@ -7,8 +7,7 @@ import triton
 import triton.language as tl
 
 from ...layout import HEAD_DIM
-from .._triton_common import scale_offsets, value_offsets
-from .._triton_common import cdiv
+from .._triton_common import cdiv, readable_page, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -23,12 +22,14 @@ def _gather_k_kernel(
     batch,
     bt_stride,
     max_pages,
+    num_pages,
     PAGE_SIZE: tl.constexpr,
     PRESHUFFLE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Copy BLOCK_R output rows (raw fp8 bytes + scale); rows past ``cu_seqlens[-1]`` get zeros."""
+    """Copy BLOCK_R output rows (raw fp8 bytes + scale); rows past ``cu_seqlens[-1]``, before ``cu_seqlens[0]`` or
+    on an unreadable page get zeros."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, 128)
     # Binary search: the sequence of row r is the first b with cu[b+1] > r.
@@ -43,8 +44,9 @@ def _gather_k_kernel(
     seq = tl.minimum(lo, batch - 1)
     pos = rows - tl.load(cu_ptr + seq)
     page_col = pos // PAGE_SIZE
-    valid = (rows < tl.load(cu_ptr + batch)) & (page_col < max_pages)
-    page = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + page_col, mask=valid, other=0)
+    in_table = (rows < tl.load(cu_ptr + batch)) & (pos >= 0) & (page_col < max_pages)
+    page = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + page_col, mask=in_table, other=0)
+    page, valid = readable_page(page, in_table, num_pages)
     in_page = pos % PAGE_SIZE
     k = tl.load(values_ptr + value_offsets(page[:, None], in_page[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
                 mask=valid[:, None], other=0)
@@ -76,6 +78,7 @@ def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, 
             batch,
             block_table.stride(0),
             block_table.shape[1],
+            cache.shape[0],
             PAGE_SIZE=page_size,
             PRESHUFFLE=preshuffle,
             SEARCH_STEPS=max(1, batch.bit_length()),

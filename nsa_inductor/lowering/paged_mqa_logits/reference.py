@@ -15,10 +15,10 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
 
     Only the block table's reach (``max_pages * page_size`` columns) can hold keys (contexts fit their table, DESIGN
     §4); the columns past it are -inf without being computed, which keeps a ``max_model_len``-wide call cheap.
+    Keys on an unreadable page (docs/indices.md) are -inf.
     """
     batch, next_n, heads, _ = q_fp8.shape
     layout = KCacheLayout(page_size, preshuffle)
-    num_slots = cache.shape[0] * page_size
     reach = min(max_len, block_table.shape[1] * page_size)
     out = torch.full((batch * next_n, max_len), float("-inf"), dtype=torch.float32, device=q_fp8.device)
     cols = torch.arange(reach, device=q_fp8.device)
@@ -27,14 +27,13 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         b1 = min(batch, b0 + rows_per_step)
         ctx = context_lens[b0:b1].long()
         seqs = torch.arange(b1 - b0, device=q_fp8.device)
-        visible = cols[None, :] < ctx[:, None]
-        slots = torch.where(visible, slots_of(block_table[b0:b1], seqs[:, None], cols[None, :], page_size), 0)
-        values, scale = layout.load(cache, slots.clamp(0, num_slots - 1).reshape(-1), q_fp8.dtype)
+        slots, readable = slots_of(block_table[b0:b1], seqs[:, None], cols[None, :], page_size, cache.shape[0])
+        values, scale = layout.load(cache, slots.reshape(-1), q_fp8.dtype)
         values = values.view(b1 - b0, reach, HEAD_DIM).float()
         scores = torch.einsum("bjhd,bsd->bjhs", q_fp8[b0:b1].float(), values) * scale.view(b1 - b0, 1, 1, reach)
         w = weights.view(batch, next_n, heads, 1)[b0:b1].float()
         logits = (scores.relu() * w).sum(dim=2)
         limit = ctx[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]
-        mask = cols[None, None, :] <= limit[:, :, None]
+        mask = (cols[None, None, :] <= limit[:, :, None]) & readable[:, None, :]
         out.view(batch, next_n, max_len)[b0:b1, :, :reach] = torch.where(mask, logits, float("-inf"))
     return out

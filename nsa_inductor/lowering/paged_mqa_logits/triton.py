@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import scale_offsets, value_offsets
-from .._triton_common import cdiv, next_power_of_2
+from .._triton_common import cdiv, next_power_of_2, readable_page, scale_offsets, value_offsets
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,7 @@ def _paged_mqa_logits_kernel(
     max_len,
     bt_stride,
     max_pages,
+    num_pages,
     PAGE_SIZE: tl.constexpr,
     PRESHUFFLE: tl.constexpr,
     NEXT_N: tl.constexpr,
@@ -67,7 +67,8 @@ def _paged_mqa_logits_kernel(
 
     Per BLOCK_N keys: ``scores[s, (j,h)] = k8[s] . q8[b,j,h]`` in one fp8 dot (keys are the M side, so the head
     sum is a reduction along the dot's N side: mostly within a thread), then
-    ``logit[s, j] = sum_h w[j,h] * relu(scores * k_scale[s])``; chunks wholly past the context only store -inf.
+    ``logit[s, j] = sum_h w[j,h] * relu(scores * k_scale[s])``; chunks wholly past the context only store -inf, and
+    keys on an unreadable page (docs/indices.md) are -inf, never loaded.
     """
     b = tl.program_id(0)
     start = tl.program_id(1) * CHUNK
@@ -94,8 +95,9 @@ def _paged_mqa_logits_kernel(
         for n0 in tl.range(start, visible_end, BLOCK_N):
             s = n0 + tl.arange(0, BLOCK_N)
             page_col = s // PAGE_SIZE
-            load_ok = (s < ctx) & (page_col < max_pages)
-            page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + page_col, mask=load_ok, other=0)
+            in_table = (s < ctx) & (page_col < max_pages)
+            page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + page_col, mask=in_table, other=0)
+            page, load_ok = readable_page(page, in_table, num_pages)
             pos = s % PAGE_SIZE
             k = tl.load(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
                         mask=load_ok[:, None], other=0.0)
@@ -106,7 +108,7 @@ def _paged_mqa_logits_kernel(
                 logits = tl.sum(scores, axis=1)[:, None]
             else:
                 logits = tl.sum(tl.reshape(scores, [BLOCK_N, NEXT_N, HEADS_PAD]), axis=2)
-            logits = tl.where(s[:, None] <= limit[None, :], logits, float("-inf"))
+            logits = tl.where((s[:, None] <= limit[None, :]) & load_ok[:, None], logits, float("-inf"))
             tl.store(out_ptr + out_row[None, :] + s[:, None], logits, mask=(s[:, None] < max_len) & row_ok[None, :])
         first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N
         for n0 in range(first_hidden, start + CHUNK, BLOCK_N):
@@ -137,6 +139,7 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         max_len,
         block_table.stride(0),
         block_table.shape[1],
+        cache.shape[0],
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
         NEXT_N=next_power_of_2(next_n),

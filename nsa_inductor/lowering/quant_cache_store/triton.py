@@ -23,6 +23,7 @@ def _quant_store_kernel(
     values_ptr,
     scales_ptr,
     num_tokens,
+    num_slots,
     rot_ptr,
     stride_rk,
     stride_rn,
@@ -39,12 +40,17 @@ def _quant_store_kernel(
     PRESHUFFLE: tl.constexpr,
     MIN_EXP: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    NAN_CODE: tl.constexpr,
     ON_GPU: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
     ``ROTATE``: ``rotate_rows``) rounded to ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale
-    of each row go to its slot (bit-identical to the torch reference without a rotation: ``quantize_rows``)."""
+    of each row go to its slot (bit-identical to the torch reference without a rotation: ``quantize_rows``), unless
+    the slot is outside ``[0, num_slots)`` or a later token of the store has the same slot (docs/indices.md: the last
+    token writes a shared slot). Each program finds the later tokens by scanning the slot mapping past its first row,
+    SCAN_BLOCK slots at a time (8 bytes a token: a few KB in decode, read from L2 by every program)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens
@@ -60,8 +66,16 @@ def _quant_store_kernel(
     elif ROUND_TO == "fp16":
         x = x.to(tl.float16).to(tl.float32)
     y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, ON_GPU)
-    y = y.to(values_ptr.dtype.element_ty)
-    keep = slot >= 0
+    # NaN stays NaN, as its fp8 code: the interpreter's fp8 cast turns NaN into +-inf's bits
+    y = tl.where(y != y, NAN_CODE, y.to(values_ptr.dtype.element_ty).to(tl.uint8, bitcast=True))
+    y = y.to(values_ptr.dtype.element_ty, bitcast=True)
+    overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
+        later = first + tl.arange(0, SCAN_BLOCK)
+        later_slot = tl.load(slot_ptr + later, mask=later < num_tokens, other=-1).to(tl.int64)
+        same = (later_slot[None, :] == slot[:, None]) & (later[None, :] > t[:, None]) & (later < num_tokens)[None, :]
+        overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
+    keep = (slot >= 0) & (slot < num_slots) & (overwritten == 0)
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
     tl.store(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE), y,
@@ -75,7 +89,9 @@ _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, block_t: int | None = None):
     """One launch: quantize ``k [T,128]`` (after the rotation prologue and the input epilogue) and store it into
-    ``cache`` at ``slot_mapping`` (negative = padding). A rotation is a ``tl.dot``, which needs 16 rows a program."""
+    ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
+    tokens sharing a slot only the last writes it (both decided inside the kernel). A rotation is a ``tl.dot``,
+    which needs 16 rows a program."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -89,6 +105,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         cache.view(fp8_dtype),
         cache.view(torch.float32),
         num_tokens,
+        cache.shape[0] * page_size,
         rot,
         *(rot.stride() if rotation is not None else (0, 0)),
         ROTATE=rotation is not None,
@@ -98,7 +115,9 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
         **quantize_constants(fp8_dtype, fp8_max(fp8_dtype), scale_fmt),
+        NAN_CODE=0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80,
         ON_GPU=not interpreted(kernel),
         BLOCK_T=block_t,
+        SCAN_BLOCK=128,
         num_warps=4,
     )

@@ -1,0 +1,92 @@
+"""Pass reports kept beside Inductor's caches, so a graph served from the FX graph cache (or the AOTAutograd cache,
+which sits in front of it) still reports what its passes did.
+
+A cache hit runs no post-grad pass, so the pass manager never sees the graph. The ``nsa_rocm`` backend does: it
+keys each Dynamo graph by its code, its inputs' metadata and the pass manager's ``uuid()`` (the same things the
+cache keys hold), saves the reports the passes made under ``<inductor cache dir>/nsa_reports/<key>.json`` after a
+compile, and when a compile hits Inductor's caches (their hit counters moved and no pass ran) it re-issues the saved
+reports: in ``last_reports()`` and the dump directory, marked ``"served_from_cache": true``. A hit on an entry this
+process cannot find a saved report for (the cache was filled by ``install()`` or another program) gets a report
+saying so, with ``"passes": null``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+
+from .debug import GraphDumper
+from .pass_manager import REPORTS, NsaPassManager
+
+_HIT_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))
+
+
+def _hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters[group][name] for group, name in _HIT_COUNTERS)
+
+
+def _key(gm: torch.fx.GraphModule, example_inputs, manager: NsaPassManager) -> str | None:
+    uuid = manager.uuid()
+    if uuid is None:  # Inductor bypasses its cache for this pass too
+        return None
+    h = hashlib.sha256(uuid.encode())
+    h.update(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            h.update(repr((x.dtype, x.device.type, tuple(x.shape), tuple(x.stride()))).encode())
+        else:
+            h.update(repr(x).encode())
+    return h.hexdigest()
+
+
+def _path(key: str) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "nsa_reports", f"{key}.json")
+
+
+@contextlib.contextmanager
+def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs, manager: NsaPassManager) -> Iterator[None]:
+    """Around one ``compile_fx`` call of the backend: save the reports it makes, or re-issue them on a cache hit."""
+    key = _key(gm, example_inputs, manager)
+    before, hits = {id(r) for r in REPORTS}, _hits()
+    yield
+    if key is None:
+        return
+    made = [r for r in REPORTS if id(r) not in before]
+    if made:
+        _save(key, made)
+    elif _hits() > hits:
+        _reissue(key, manager)
+
+
+def _save(key: str, reports: list[dict[str, Any]]) -> None:
+    path = _path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            json.dump(reports, f, default=str)
+        os.replace(f"{path}.{os.getpid()}", path)  # atomic: processes sharing the cache never read half a file
+    except OSError:
+        pass  # the cache dir is Inductor's: if it cannot be written, Inductor's own entry is not there either
+
+
+def _reissue(key: str, manager: NsaPassManager) -> None:
+    try:
+        with open(_path(key)) as f:
+            saved: list[dict[str, Any]] = json.load(f)
+    except (OSError, ValueError):
+        saved = [{"passes": None, "note": "served from Inductor's cache, filled without the nsa_rocm backend "
+                                          "(install() or another program): no report was kept"}]
+    for report in saved:
+        dumper = GraphDumper(manager.options.resolved_dump_dir())
+        report = {**report, "graph": dumper.name, "compiled_as": report.get("graph"), "served_from_cache": True}
+        dumper.report(report)
+        REPORTS.append(report)
