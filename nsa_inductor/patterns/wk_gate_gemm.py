@@ -13,8 +13,9 @@ for the static token count.
 
 The K values change only in summation order (fp32 partial sums rounded once to bf16, as cuBLAS rounds its fp32
 accumulator), so a few cache bytes may differ from eager. Following the rule for numerics-changing passes, it fires
-only where that serves the indexer: the GEMM's output must reach the K-cache store. Never (near misses): another
-activation, a weight that is not a bf16 parameter or has more than 256 rows, an output that never reaches the store.
+only where that serves the indexer: the GEMM's output must reach the K-cache store, in decode-sized batches (at
+most ``MAX_TOKENS`` tokens). Never (near misses): another activation, a weight that is not a bf16 parameter or has
+more than 256 rows, an output that never reaches the store, a prefill-sized token count.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ prims = torch.ops.prims
 SPLITS = ((64, 8, 16), (512, 8, 8), (None, 4, 4))  # H200 sweep: BENCHMARKS.md, wk_gate_gemm
 # Fewer splits where K is short: at least this many columns of K per split.
 MIN_K_PER_SPLIT = 128
+
+# Largest token count fused (static, or the example value of a symbolic one): decode batches, where the launch saves
+# most. At prefill sizes cuBLAS serves wk well, and the reordered sum moved GLM-5 prefill logits 1.4e-3 from eager's
+# on the H200 (BENCHMARKS.md, GPU test runs), past the 1e-3 the compiled indexer keeps to eager.
+MAX_TOKENS = 256
 
 # Largest K projection folded in: the op's tiles and split table are sized for the indexer's [128, K] wk; a wider
 # bf16 projection is a GEMM cuBLAS serves well on its own.
@@ -149,6 +155,10 @@ class WkGateGemm(GraphPass):
         rows, k = tensor_val(x).shape
         if as_int(k) is None:
             raise NearMiss(f"activation {describe(x)} has a symbolic K {k}")
+        example = as_int(rows) if as_int(rows) is not None else rows.node.hint
+        if example is None or example > MAX_TOKENS:
+            raise NearMiss(f"activation {describe(x)} has {rows} tokens (example {example}): only decode-sized "
+                           f"batches (up to {MAX_TOKENS}) are fused, prefill keeps cuBLAS's wk and eager's bytes")
         gate_splits, k_splits = splits_for(as_int(rows), as_int(k))
         first = _first(graph, gate, mm)
         with graph.inserting_before(first):

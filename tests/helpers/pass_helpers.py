@@ -126,3 +126,12 @@ def assert_matches_eager(eager_fn, compiled_fn, batch, prepare=lambda b: b):
     assert_logits_close(c_logits, logits)
     for row, (a, b) in enumerate(zip(topk, c_topk)):
         assert set(a.tolist()) == set(b.tolist()), f"top-k sets differ in row {row}"
+
+
+def to_logits(gates: torch.Tensor) -> torch.Tensor:
+    """Indexer logits weighted by ``gates [T, H]`` (through the ``nsa`` op): the consumer the pass requires."""
+    tokens, heads = gates.shape
+    q8 = torch.ones(tokens, heads, 128, device=gates.device).to(torch.float8_e4m3fn)
+    k8 = torch.ones(4, 128, device=gates.device).to(torch.float8_e4m3fn)
+    ks = torch.zeros(tokens, dtype=torch.int32, device=gates.device)
+    return torch.ops.nsa.mqa_logits(q8, k8, torch.ones(4, device=gates.device), gates, ks, ks + 4)

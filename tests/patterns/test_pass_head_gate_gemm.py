@@ -17,7 +17,7 @@ from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.other_indexer import OtherIndexer
-from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs, to_logits
 
 CONFIGS = {"deepseek_v32": IndexerConfig.deepseek_v32().small(), "glm5": IndexerConfig.glm5().small()}
 LAYOUT = KCacheLayout(16)
@@ -129,15 +129,6 @@ def test_option_turns_the_pass_off():
 # ---------------------------------------------------------------------------------------------------------------
 # spellings and near misses on small modules
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def to_logits(gates: torch.Tensor) -> torch.Tensor:
-    """Indexer logits weighted by ``gates [T, H]`` (through the ``nsa`` op): the consumer the pass requires."""
-    tokens, heads = gates.shape
-    q8 = torch.ones(tokens, heads, 128, device=gates.device).to(torch.float8_e4m3fn)
-    k8 = torch.ones(4, 128, device=gates.device).to(torch.float8_e4m3fn)
-    ks = torch.zeros(tokens, dtype=torch.int32, device=gates.device)
-    return torch.ops.nsa.mqa_logits(q8, k8, torch.ones(4, device=gates.device), gates, ks, ks + 4)
 
 
 class Gates(nn.Module):
