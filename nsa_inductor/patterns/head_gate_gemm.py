@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import as_int, describe, erase_dead, insert_call, is_op, sym_equal, tensor_val, view_chain
+from .mqa import graph_cache_layout
 from .mqa.proofs import analyze, cache_values
 from .mqa.proofs import candidates as logits_candidates
 
@@ -136,9 +137,13 @@ def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> set[torch.
     if ctx is None:
         return found
     leaves = cache_values(graph)
+    try:
+        layout = graph_cache_layout(leaves, ctx.decision)  # the logits passes' layout: the cache's own page size
+    except NearMiss:
+        return found
     for sum_node, where in logits_candidates(graph):
         try:
-            analyze(sum_node, where, ctx.decision.layout, leaves)
+            analyze(sum_node, where, layout, leaves)
         except NearMiss:
             continue
         found.add(sum_node)

@@ -57,6 +57,7 @@ def test_disabled_pass_keeps_eager_bytes():
     """``nsa.disable_passes=["wk_gate_gemm"]`` keeps eager's K projection and so eager's cache bytes."""
     from nsa_inductor.indexer import Indexer
 
+    torch._dynamo.reset()  # Dynamo would serve Indexer.decode as an earlier test compiled it (with the pass on)
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = Indexer(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
