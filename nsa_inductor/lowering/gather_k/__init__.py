@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ...layout import HEAD_DIM
-from .._common import check, check_devices, check_fp8, check_layout, contiguous, describe, implementation
-from .._common import once_per_signature
+from .._common import (check, check_devices, check_fp8, check_layout, contiguous, describe, implementation,
+                      once_per_signature)
 
 
 @once_per_signature

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import check, check_devices, describe, triton_or_reference
-from .._common import once_per_signature
+from .._common import check, check_devices, describe, once_per_signature, triton_or_reference
 
 
 @once_per_signature

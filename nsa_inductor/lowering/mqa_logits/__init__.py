@@ -9,8 +9,7 @@ import torch
 
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
-from .._common import check, check_devices, contiguous, implementation
-from .._common import once_per_signature
+from .._common import check, check_devices, contiguous, implementation, once_per_signature
 
 
 @once_per_signature

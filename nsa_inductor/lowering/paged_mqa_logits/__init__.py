@@ -10,8 +10,8 @@ import torch
 
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
-from .._common import check, check_devices, check_layout, contiguous, describe, implementation
-from .._common import once_per_signature
+from .._common import (check, check_devices, check_layout, contiguous, describe, implementation,
+                      once_per_signature)
 
 
 @once_per_signature
