@@ -25,6 +25,7 @@ def e2e():
 @pytest.fixture(scope="module")
 def sweep_dir(e2e, tmp_path_factory):
     """One decode and one prefill cell, eager and nsa_rocm (two compiles), written to a folder."""
+    torch._dynamo.reset()  # compile here: Dynamo would serve Indexer.decode/prefill as earlier tests compiled them
     out = tmp_path_factory.mktemp("sweep")
     argv = ["end_to_end.py", "--sweep", "--small", "--device", "cpu", "--cells", "B4x96,T64",
             "--variants", "eager,nsa_rocm", "--out", str(out)]

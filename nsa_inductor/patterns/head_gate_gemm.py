@@ -132,7 +132,9 @@ _LOGITS_OPS = ("nsa.paged_mqa_logits.default", "nsa.mqa_logits.default")
 
 def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> set[torch.fx.Node]:
     """The nodes holding indexer logits: ``nsa`` logits ops, and the head sums of plain-torch MQA logits that
-    :func:`~.mqa.proofs.analyze` proves (on the graph as it is, before the logits passes rewrite them)."""
+    :func:`~.mqa.proofs.analyze` proves (on the graph as it is, before the logits passes rewrite them) or that are
+    masked with -inf (a head sum of dot products under a ``where(mask, ., -inf)``: the logits idiom, also where the
+    proof needs the gate's scale chain folded first, as in a dynamic-shape prefill graph)."""
     found = {n for n in graph.nodes if n.op == "call_function" and str(n.target) in _LOGITS_OPS}
     if ctx is None:
         return found
@@ -142,10 +144,11 @@ def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> set[torch.
     except NearMiss:
         return found
     for sum_node, where in logits_candidates(graph):
-        try:
-            analyze(sum_node, where, layout, leaves)
-        except NearMiss:
-            continue
+        if where is None:
+            try:
+                analyze(sum_node, where, layout, leaves)
+            except NearMiss:
+                continue
         found.add(sum_node)
     return found
 

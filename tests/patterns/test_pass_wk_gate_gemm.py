@@ -45,12 +45,18 @@ def test_fires_on_the_indexers_within_the_documented_bound(case):
         assert_logits_close(c_logits, logits)
         found = sum(len({i for i in e if i >= 0} & set(c)) for e, c in zip(topk.tolist(), c_topk.tolist()))
         assert found >= MIN_TOPK_RECALL * int((topk >= 0).sum())
+    checked = 0
     for graph_dir in graph_dirs(dump_dir):
-        assert pass_entry(graph_dir, "wk_gate_gemm")["matched"] == 1
+        entry = pass_entry(graph_dir, "wk_gate_gemm")
+        if any("decode-sized" in m["reason"] for m in entry["near_misses"]):
+            continue  # a prefill-sized graph another test compiled on the shared model: a near miss by design
+        checked += 1
+        assert entry["matched"] == 1, entry
         before, after = pass_graphs(graph_dir, "wk_gate_gemm")
         assert count_ops(before, "nsa.head_gate_gemm") == 1 and count_ops(after, "nsa.head_gate_gemm") == 0
         assert count_ops(after, "nsa.wk_gate_gemm") == 1
         assert gemms(after) == gemms(before) - 1, "the wk GEMM is gone"
+    assert checked
 
 
 def test_disabled_pass_keeps_eager_bytes():
