@@ -88,7 +88,7 @@ def bench_step(name, fn, make_batch, options, mode, only) -> list[dict]:
         "nsa_rocm": torch.compile(fn, backend="nsa_rocm",
                                   options={**options, **(torch._inductor.list_mode_options(mode) if mode else {})}),
     }
-    reports_before = len(nsa_inductor.last_reports())
+    reports_before = nsa_inductor.last_reports()
     rows = []
     for variant, step in ((v, s) for v, s in variants.items() if v in only):
         run_batch = batch.clone()
@@ -106,10 +106,11 @@ def bench_step(name, fn, make_batch, options, mode, only) -> list[dict]:
         print(f"{name:8s} {variant:9s} {ms * 1e3:10.1f} us  {kernels:4d} kernels  {checks}", flush=True)
     if "nsa_rocm" not in only:
         return rows
-    if len(nsa_inductor.last_reports()) == reports_before:
+    reports = _reports_since(reports_before)
+    if not reports:
         print(f"{name} passes: no report (the graph came from Inductor's FX graph cache)", flush=True)
         return rows
-    report = nsa_inductor.last_reports()[-1]
+    report = reports[-1]
     rows[-1]["passes"] = {p["name"]: p["matched"] for p in report["passes"]}
     print(f"{name} passes: {rows[-1]['passes']}", flush=True)
     return rows
@@ -371,7 +372,7 @@ class SweepRunner:
             step = graph.replay
             first_s = peak_gb = None
         else:
-            compiles_before, reports_before = len(self.compiles), len(nsa_inductor.last_reports())
+            compiles_before, reports_before = len(self.compiles), nsa_inductor.last_reports()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -394,15 +395,22 @@ class SweepRunner:
         return {"us": us, "kernels": kernels, "gpu_us": gpu_us, "compile_s": first_s, "peak_gb": peak_gb, **checks}
 
     def _record_compile(self, what: tuple[str, Cell], seconds: float, compiles_before: int,
-                        reports_before: int) -> None:
+                        reports_before: list[dict]) -> None:
         """One record per (variant, cell) whose first call compiled, however many graphs it compiled."""
         variant, cell = what
         graphs = len(self.compiles) - compiles_before
         del self.compiles[compiles_before:]
-        reports = nsa_inductor.last_reports()[reports_before:]
+        reports = _reports_since(reports_before)
         self.compiles.append({"variant": variant, "kind": cell.kind, "cell": cell.name, "seconds": seconds,
                               "graphs_compiled": graphs,
                               "passes": _pass_counts(reports) if variant == "nsa_rocm" else None})
+
+
+def _reports_since(before: list[dict]) -> list[dict]:
+    """The reports made since ``last_reports()`` returned ``before``: compared by identity, as ``last_reports()``
+    keeps only the last 64 (its length stops growing in a long process); ``before`` keeps those objects alive."""
+    ids = {id(r) for r in before}
+    return [r for r in nsa_inductor.last_reports() if id(r) not in ids]
 
 
 def _pass_counts(reports: list[dict]) -> str:

@@ -56,11 +56,11 @@ def _path(key: str) -> str:
 def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs, manager: NsaPassManager) -> Iterator[None]:
     """Around one ``compile_fx`` call of the backend: save the reports it makes, or re-issue them on a cache hit."""
     key = _key(gm, example_inputs, manager)
-    before, hits = {id(r) for r in REPORTS}, _hits()
+    before, hits = list(REPORTS), _hits()  # the list keeps these alive: their ids cannot be reused meanwhile
     yield
     if key is None:
         return
-    made = [r for r in REPORTS if id(r) not in before]
+    made = [r for r in REPORTS if not any(r is b for b in before)]
     if made:
         _save(key, made)
     elif _hits() > hits:
