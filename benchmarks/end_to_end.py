@@ -74,7 +74,7 @@ def agreement(eager_out, eager_cache, out, cache) -> dict:
     }
 
 
-def bench_step(name, fn, make_batch, options, mode, only) -> list[dict]:
+def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False) -> list[dict]:
     import triton.testing
 
     batch = make_batch()
@@ -93,8 +93,10 @@ def bench_step(name, fn, make_batch, options, mode, only) -> list[dict]:
     for variant, step in ((v, s) for v, s in variants.items() if v in only):
         run_batch = batch.clone()
         if mode:
-            # CUDA graphs skip graphs that mutate an input unless its address is fixed, as a serving cache's is.
-            torch._dynamo.mark_static_address(run_batch.kv_cache)
+            # CUDA graphs skip graphs that mutate an input unless its address is fixed, as a serving cache's is;
+            # with static_inputs every input is, as an engine's persistent buffers are: the graph copies none in.
+            for t in run_batch.args if static_inputs else (run_batch.kv_cache,):
+                torch._dynamo.mark_static_address(t)
         with torch.no_grad():
             out = step(*run_batch.args)
             checks = agreement(eager_out, eager_batch.kv_cache, out, run_batch.kv_cache)
@@ -602,6 +604,9 @@ def main() -> None:
     parser.add_argument("--layout", choices=("flat", "paged", "preshuffle"), default=None)
     parser.add_argument("--cuda-graphs", action="store_true",
                         help='compile both variants with mode="reduce-overhead" (replays take the launch cost away)')
+    parser.add_argument("--static-inputs", action="store_true",
+                        help="with --cuda-graphs: every input at a fixed address (an engine's persistent buffers), "
+                             "so the graph copies none of them in")
     parser.add_argument("--no-head-gate", action="store_true",
                         help="nsa_rocm without the bf16 head-gate rewrite (to measure what it costs)")
     parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
@@ -654,10 +659,11 @@ def main() -> None:
         if args.batch:
             rows += bench_step("decode", model.decode, lambda: decode_batch(config, layout, context_lens,
                                                                             max_len=args.ctx, device="cuda"),
-                               options, mode, only)
+                               options, mode, only, args.static_inputs)
         if args.prefill:
             rows += bench_step("prefill", model.prefill,
-                               lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only)
+                               lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only,
+                               args.static_inputs)
 
     lines = ["| step | variant | µs | vs eager | vs inductor | kernels | cache bytes = eager | logits rel. err | "
              "top-k sets identical |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]

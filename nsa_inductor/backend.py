@@ -11,6 +11,7 @@ import torch
 from .cached_reports import reports_kept_with_cache
 from .options import parse_options
 from .pass_manager import NsaPassManager
+from .verify import reference_graph, verified
 
 # Round bf16 intermediates inside fused kernels as eager does: without it the K fed to act_quant differs in the last
 # bf16 bit and the cache bytes stop matching eager. Users may still override it in ``options``.
@@ -42,9 +43,15 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     existing = inductor_options.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
     manager = NsaPassManager(nsa_options, inner=existing)
     patches["post_grad_custom_post_pass"] = manager
+    reference = reference_graph(gm) if nsa_options.verify else None
     with _eager_layer_norm(nsa_options.eager_layer_norm), _rounding_casts_kept(), \
-            reports_kept_with_cache(gm, example_inputs, manager):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+            reports_kept_with_cache(gm, example_inputs, manager) as reports:
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if reference is None:
+        return compiled
+    cache_bytes_passes = {p.name for p in manager.passes if p.may_change_cache_bytes}
+    return verified(compiled, reference, int(nsa_options.verify), reports[-1] if reports else None,
+                    cache_bytes_passes)
 
 
 @contextlib.contextmanager
@@ -134,6 +141,9 @@ class install:
         nsa_options, inductor_options = parse_options(options)
         if inductor_options:
             raise ValueError(f"install() takes nsa.* options only, got {sorted(inductor_options)}")
+        if nsa_options.verify:
+            raise ValueError("nsa.verify needs the nsa_rocm backend (torch.compile(fn, backend=\"nsa_rocm\", "
+                             "options={\"nsa.verify\": True})): install() only sets a pass, it never sees the calls")
         self.config = config if config is not None else torch._inductor.config
         self.previous = {"post_grad_custom_post_pass": self.config.post_grad_custom_post_pass,
                          **{k: getattr(self.config, k) for k in INDUCTOR_SETTINGS}}

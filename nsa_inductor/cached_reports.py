@@ -53,18 +53,21 @@ def _path(key: str) -> str:
 
 
 @contextlib.contextmanager
-def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs, manager: NsaPassManager) -> Iterator[None]:
-    """Around one ``compile_fx`` call of the backend: save the reports it makes, or re-issue them on a cache hit."""
+def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs,
+                            manager: NsaPassManager) -> Iterator[list[dict[str, Any]]]:
+    """Around one ``compile_fx`` call of the backend: save the reports it makes, or re-issue them on a cache hit.
+    Yields a list that holds, after the block, the reports of this compile (made or re-issued)."""
     key = _key(gm, example_inputs, manager)
     before, hits = list(REPORTS), _hits()  # the list keeps these alive: their ids cannot be reused meanwhile
-    yield
+    this_compile: list[dict[str, Any]] = []
+    yield this_compile
+    this_compile += [r for r in REPORTS if not any(r is b for b in before)]
     if key is None:
         return
-    made = [r for r in REPORTS if not any(r is b for b in before)]
-    if made:
-        _save(key, made)
+    if this_compile:
+        _save(key, this_compile)
     elif _hits() > hits:
-        _reissue(key, manager)
+        this_compile += _reissue(key, manager)
 
 
 def _save(key: str, reports: list[dict[str, Any]]) -> None:
@@ -78,15 +81,18 @@ def _save(key: str, reports: list[dict[str, Any]]) -> None:
         pass  # the cache dir is Inductor's: if it cannot be written, Inductor's own entry is not there either
 
 
-def _reissue(key: str, manager: NsaPassManager) -> None:
+def _reissue(key: str, manager: NsaPassManager) -> list[dict[str, Any]]:
     try:
         with open(_path(key)) as f:
             saved: list[dict[str, Any]] = json.load(f)
     except (OSError, ValueError):
         saved = [{"passes": None, "note": "served from Inductor's cache, filled without the nsa_rocm backend "
                                           "(install() or another program): no report was kept"}]
+    reissued = []
     for report in saved:
         dumper = GraphDumper(manager.options.resolved_dump_dir())
         report = {**report, "graph": dumper.name, "compiled_as": report.get("graph"), "served_from_cache": True}
         dumper.report(report)
         REPORTS.append(report)
+        reissued.append(report)
+    return reissued

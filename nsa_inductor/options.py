@@ -24,6 +24,9 @@ class NsaOptions:
     - ``strict``: a pass that raises fails the compile (default: it is skipped with a warning, graph unchanged).
     - ``checks``: device-side asserts on the index arguments of every ``nsa`` op (default: out-of-range ids are
       masked, docs/indices.md), naming the argument; no host synchronisation.
+    - ``verify``: check the compiled graph against the unrewritten graph on its first call (``True``) or first
+      ``n`` calls, raising :class:`~nsa_inductor.verify.VerifyError` on a mismatch (:mod:`nsa_inductor.verify`;
+      the ``nsa_rocm`` backend only).
     - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
       reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
@@ -37,6 +40,7 @@ class NsaOptions:
     eager_layer_norm: bool = True
     strict: bool = False
     checks: bool = False
+    verify: bool | int = False
 
     def layout_decision(self) -> capability.LayoutDecision:
         return capability.select_layout(self.layout, self.page_size)
@@ -60,6 +64,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "eager_layer_norm": (bool,),
     "strict": (bool,),
     "checks": (bool,),
+    "verify": (bool, int),
 }
 
 
@@ -83,6 +88,8 @@ def parse_options(options: dict[str, Any] | None) -> tuple[NsaOptions, dict[str,
         allowed = {"head_gate_mode": HEAD_GATE_MODES, "topk_order": TOPK_ORDERS}.get(name)
         if allowed and value not in allowed:
             raise ValueError(f"option {key!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        if name == "verify" and value < 0:
+            raise ValueError(f"option {key!r} must be True/False or a number of calls >= 0, got {value!r}")
         if name == "disable_passes":
             value = (value,) if isinstance(value, str) else tuple(value)
         nsa[name] = value

@@ -131,6 +131,7 @@ def _rotation_of_store(stored: torch.fx.Node) -> Rotation:
 
 class RotateActQuant(GraphPass):
     name = "rotate_act_quant"
+    may_change_cache_bytes = True
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext):
         for node in list(graph.nodes):

@@ -137,6 +137,7 @@ class WkGateGemm(GraphPass):
     """One launch for the bf16 K projection and the head gate that read the same x."""
 
     name = "wk_gate_gemm"
+    may_change_cache_bytes = True
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
         static = static_inputs(graph)

@@ -128,8 +128,12 @@ class Variant(Indexer):
         k_fp8, k_scale = self.layout.load(kv_cache, slots.flatten(), c.fp8_dtype)
         k = k_fp8.float().view(batch, max_len, c.head_dim)
         scores = torch.einsum("bnhd,bsd->bnhs", q_fp8.view(batch, next_n, c.n_heads, c.head_dim).float(), k)
+        if self.variant == "scaled_inside_relu":
+            scores = scores * 0.5
         if self.variant != "no_relu":
             scores = scores.relu()
+        if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
+            scores = scores * c.head_dim ** -0.5 * 0.25
         scores = scores * k_scale.view(batch, 1, 1, max_len)
         scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
@@ -153,6 +157,7 @@ NEGATIVES = {
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "sum_over_tokens": ("paged", "paged", 16, ""),
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
+    "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
 }
 # (a paged cache compiled under the flat guard is rewritten with the cache's own page size: tests/test_engine_indexer.py)
 
@@ -174,3 +179,17 @@ def test_does_not_fire_on_lookalikes(variant):
     reasons = near_miss_reasons(dump_dir, NAME)
     assert reasons, "no near miss recorded"
     assert any(words in r for r in reasons), reasons
+
+
+def test_folds_number_factors_outside_the_relu():
+    """``relu(q·k) * D**-0.5 * 0.25 * k_scale * w``: the numbers are multiplied into the weights, not a near miss."""
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    model = type("V", (Variant,), {"variant": "softmax_scale_after_relu"})(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-scaled-"))
+    options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options)
+    assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, [5, 33, 17], max_len=48, seed=2))
+    assert_fired(dump_dir)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert "0.0220970" in pass_graphs(graph_dir, NAME)[1]  # 128**-0.5 * 0.25 times the weights

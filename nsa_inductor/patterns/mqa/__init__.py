@@ -13,7 +13,7 @@ import torch.fx
 from ...capability import LayoutDecision, cache_layout
 from ...layout import KCacheLayout
 from ..base import GraphPass, NearMiss, PassContext
-from ..fx_utils import val
+from ..fx_utils import insert_call, reshape, val
 from .proofs import Match, analyze, cache_values, candidates
 
 
@@ -57,3 +57,11 @@ class MqaLogitsPass(GraphPass):
 
     def rewrite_match(self, graph: torch.fx.Graph, m: Match, layout) -> None:
         raise NotImplementedError
+
+    @staticmethod
+    def head_weights(graph: torch.fx.Graph, m: Match) -> torch.fx.Node:
+        """The op's ``[rows, H]`` weights: the proven weights times the product's number factors, if any."""
+        weights = reshape(graph, m.weights, [-1, m.heads])
+        if m.weight_scale == 1.0:
+            return weights
+        return insert_call(graph, torch.ops.aten.mul.Tensor, (weights, m.weight_scale))

@@ -58,7 +58,7 @@ class PagedMqaLogits(MqaLogitsPass):
                 bt = reshape(graph, per_row, [rows, pages])
                 q = reshape(graph, m.q, [rows, 1, heads, HEAD_DIM])
                 known.append((val(lens).shape[0], rows))
-            weights = reshape(graph, m.weights, [-1, heads])
+            weights = self.head_weights(graph, m)
             cache = m.cache
             if val(cache).dim() != 2 or val(cache).shape[-1] != layout.page_bytes:
                 cache = reshape(graph, cache, [-1, layout.page_bytes])

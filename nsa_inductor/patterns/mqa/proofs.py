@@ -143,6 +143,7 @@ class Match:
     cached_prefill: bool = False  # the prefill K read is proven to be the cache read of cu_seqlens' sequences
     bounds: tuple[torch.fx.Node | None, torch.fx.Node] | None = None  # prefill (ks or None for 0, ke) graph inputs
     row_lens: torch.fx.Node | None = None  # decode: keys visible to each query row, a graph input [rows]
+    weight_scale: float = 1.0  # number factors of the head-sum product, folded into the weights
 
 
 @dataclass
@@ -235,11 +236,14 @@ def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor
     s.s_row, s.s_col = s.row[pick].repeat_interleave(heads), s.col[pick].repeat_interleave(heads)
 
 
-def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, bool]]]:
-    """The product is ``relu(dot * ...) * ...`` with one relu and one dot: ``(dot, [(other factor, inside relu)])``."""
+def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, bool]], float]:
+    """The product is ``relu(dot * ...) * ...`` with one relu and one dot: ``(dot, [(other factor, inside relu)],
+    product of the number factors outside the relu)``; those numbers (a scale chain Inductor left unfolded, e.g.
+    ``* H**-0.5 * D**-0.5`` of the gate) are folded into the weights by the rewrite."""
     factors, scalars = product_tree(x)
-    if scalars:
-        raise NearMiss(f"scalar factor(s) {scalars} in the head-sum product")
+    if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in scalars):
+        raise NearMiss(f"scalar factor(s) {scalars} in the head-sum product: only finite numbers are folded")
+    weight_scale = math.prod(scalars, start=1.0)
     relus = [f for f in factors if relu_input(f) is not None]
     if not relus:
         raise NearMiss("no relu on the q·k scores")
@@ -251,7 +255,8 @@ def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.
     dots = [f for f in inner if is_dot(f)]
     if len(dots) != 1:
         raise NearMiss(f"{len(dots)} bmm/mm factors inside the relu, expected one")
-    return dots[0], [(f, False) for f in factors if f is not relus[0]] + [(f, True) for f in inner if f is not dots[0]]
+    others = [(f, False) for f in factors if f is not relus[0]] + [(f, True) for f in inner if f is not dots[0]]
+    return dots[0], others, weight_scale
 
 
 def factor_coords(s: Samples, target: torch.fx.Node) -> torch.Tensor:
@@ -483,7 +488,7 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
         raise NearMiss("the head-sum of relu(q·k) is not masked with -inf by a where/masked_fill")
     s, coords = sample_outputs(where, layout, leaves)
     prove_head_sum(s, sum_node, peel_mask(s, where, sum_node, coords))
-    dot, others = prove_factors(s.x)
+    dot, others, weight_scale = prove_factors(s.x)
     located = []
     for f, inside in others:
         coords = factor_coords(s, f)
@@ -495,7 +500,7 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     w = prove_weights(s, [e for e in located if e not in scale], q.head)
     if len(scale) != 1:
         raise NearMiss(f"{len(scale)} k_scale factors, expected one")
-    match = Match("", where, q.q, w, s.heads, s.rows, s.keys)
+    match = Match("", where, q.q, w, s.heads, s.rows, s.keys, weight_scale=weight_scale)
     plain = (q.k_plain, scale[0][3]) if q.k_plain is not None and scale[0][3] is not None else None
     try:
         families, reasons = prove_k_read(s, layout, leaves, q, scale[0][2], match)

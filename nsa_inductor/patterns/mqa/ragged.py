@@ -43,7 +43,7 @@ class RaggedMqaLogits(MqaLogitsPass):
             raise NearMiss(f"prefill logits {m.where.name} have shape {list(where_shape)}, expected [T, N]")
         with graph.inserting_before(m.where):
             q = reshape(graph, m.q, [-1, heads, HEAD_DIM])
-            weights = reshape(graph, m.weights, [-1, heads])
+            weights = self.head_weights(graph, m)
             if m.cached_prefill:
                 k8, k_scale = self._gather(graph, m, layout, size_arg(graph, where_shape[1], [m.q, m.weights, *inputs]))
             else:  # the model's own gather stays

@@ -1,0 +1,201 @@
+"""``nsa.verify``: on its first calls, a compiled graph is checked against the same graph run without any rewrite.
+
+Why: the passes prove their idioms on sampled elements and shapes; a user who doubts a rewrite on their model should
+get a loud, specific answer on real inputs rather than silently different numbers. The reference is the graph as
+Dynamo captured it, run op by op (eager semantics), on clones of the inputs; the compiled graph runs on the real
+ones. Compared, per docs/numerics.md's contract:
+
+- every tensor input: no element changes where the reference left it unchanged (nothing written outside what eager
+  writes); where it changed, uint8 inputs (the K cache) match byte for byte, or in all but ``CACHE_BYTES_FRACTION`` of
+  those bytes when a pass that reorders sums fired; float inputs as float outputs;
+- float outputs: the same NaN and ±inf positions, and a norm-wise relative error of at most ``LOGITS_RTOL`` over the
+  finite entries;
+- top-k index outputs (an output computed from ``topk``'s indices): the same set per row, except that up to
+  ``TOPK_ROW_FRACTION`` of a row's entries (at least one) may be other near-tied columns; other outputs: equal.
+
+A mismatch raises :class:`VerifyError` naming the graph, the passes that fired and the first differing elements.
+Costs, on the verified calls only: the graph runs twice, and every tensor input is cloned twice (the K cache
+included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+LOGITS_RTOL = 1e-3
+CACHE_BYTES_FRACTION = 1e-2
+TOPK_ROW_FRACTION = 1e-2
+_TOPK_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "add", "sub",
+                  "clone", "contiguous", "getitem", "getattr", "_to_copy", "type"}
+
+
+class VerifyError(AssertionError):
+    """The compiled graph and the unrewritten graph disagree beyond the documented tolerances."""
+
+
+def reference_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of Dynamo's graph (sharing its parameters) that compiling ``gm`` cannot change."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, report: dict[str, Any] | None,
+             reorders_sums: set[str]) -> Callable:
+    """``compiled`` checked against ``reference`` on its first ``calls`` calls (same calling convention)."""
+    fired = [f"{p['name']} x{p['matched']}" for p in (report or {}).get("passes") or [] if p["matched"]]
+    relaxed = any(p["name"] in reorders_sums and p["matched"] for p in (report or {}).get("passes") or [])
+    graph_name = (report or {}).get("graph", "?")
+    topk_outputs = _topk_outputs(reference)
+    input_names = [n.name for n in reference.graph.find_nodes(op="placeholder")]
+    left = [calls]
+
+    def check(args: list[Any], run: Callable[[list[Any]], Any]) -> Any:
+        if left[0] <= 0:
+            return run(args)
+        left[0] -= 1
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        expected = reference(*ref_args)
+        got = run(args)
+        problems = _compare_outputs(expected, got, topk_outputs)
+        for name, old, want, new in zip(input_names, before, ref_args, args):
+            if isinstance(old, torch.Tensor):
+                problems += _compare_input(name, old, want, new, relaxed)
+        if problems:
+            raise VerifyError(f"nsa.verify: compiled graph {graph_name} differs from the unrewritten graph: "
+                              f"{'; '.join(problems[:4])}. Passes that fired: {', '.join(fired) or 'none'}. "
+                              f"nsa.disable_passes=[...] with those names finds the pass; please report it.")
+        return got
+
+    def run(*args: Any) -> Any:  # Dynamo calls a backend's result with the graph's inputs as arguments
+        return check(list(args), lambda a: compiled(*a))
+
+    return run
+
+
+def _topk_outputs(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of the flat outputs computed from ``topk``'s indices (through masking, casts and views)."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    flat, _ = tree_flatten(output.args[0])
+    found = set()
+    for i, node in enumerate(flat):
+        frontier, seen = [node], set()
+        while frontier:
+            cur = frontier.pop()
+            if not isinstance(cur, torch.fx.Node) or cur in seen:
+                continue
+            seen.add(cur)
+            name = cur.target if isinstance(cur.target, str) else getattr(cur.target, "__name__", "")
+            if name == "topk":
+                found.add(i)
+                break
+            if cur.op in ("call_function", "call_method") and name in _TOPK_PATH_OPS:
+                frontier += [a for a in cur.args if isinstance(a, torch.fx.Node)]
+    return found
+
+
+def _compare_outputs(expected: Any, got: Any, topk_outputs: set[int]) -> list[str]:
+    want, _ = tree_flatten(expected)
+    have, _ = tree_flatten(got)
+    if len(want) != len(have):
+        return [f"{len(have)} outputs, the unrewritten graph has {len(want)}"]
+    problems = []
+    for i, (w, h) in enumerate(zip(want, have)):
+        what = f"output {i}"
+        if not isinstance(w, torch.Tensor):
+            if w != h:
+                problems.append(f"{what} is {h!r}, expected {w!r}")
+        elif not isinstance(h, torch.Tensor) or h.shape != w.shape or h.dtype != w.dtype:
+            problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
+        elif w.is_floating_point():
+            problems += _compare_float(what, w, h)
+        elif i in topk_outputs and w.dim() >= 1:
+            problems += _compare_topk(what, w, h)
+        elif not torch.equal(w, h):
+            problems.append(_first_difference(what, w, h))
+    return problems
+
+
+def _compare_input(name: str, old: torch.Tensor, want: torch.Tensor, new: torch.Tensor, relaxed: bool) -> list[str]:
+    """Graph input ``name`` after the call: unchanged where the reference left it unchanged; equal (or within the
+    contract) where the reference wrote it."""
+    what = f"input {name}"
+    written = ~_same(old, want)
+    outside = written.logical_not() & ~_same(old, new)
+    if outside.any():
+        index = tuple(int(c) for c in outside.nonzero()[0])
+        return [f"{what} changed at {int(outside.sum())} element(s) the unrewritten graph left unchanged, first at "
+                f"{list(index)}: {_item(old, index)} -> {_item(new, index)}"]
+    if not written.any():
+        return []
+    if old.dtype == torch.uint8:
+        differ = written & ~_same(want, new)
+        allowed = math.floor(CACHE_BYTES_FRACTION * int(written.sum())) if relaxed else 0
+        if int(differ.sum()) > allowed:
+            index = tuple(int(c) for c in differ.nonzero()[0])
+            return [f"{what} (uint8) differs in {int(differ.sum())} of the {int(written.sum())} bytes written "
+                    f"(allowed {allowed}), first at {list(index)}: {_item(new, index)}, expected {_item(want, index)}"]
+        return []
+    if old.is_floating_point():
+        return _compare_float(what, want, new)
+    return [] if torch.equal(want, new) else [_first_difference(what, want, new)]
+
+
+def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor) -> list[str]:
+    for name, mask in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        if not torch.equal(mask(want), mask(have)):
+            index = tuple(int(c) for c in (mask(want) != mask(have)).nonzero()[0])
+            return [f"{what}: {name} positions differ, first at {list(index)}: {_item(have, index)}, expected "
+                    f"{_item(want, index)}"]
+    finite = torch.isfinite(want)
+    ref, got = want[finite].double(), have[finite].double()
+    err = ((ref - got).norm() / ref.norm().clamp(min=1e-30)).item() if ref.numel() else 0.0
+    if err > LOGITS_RTOL:
+        largest = (want.double() - have.double()).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).argmax()
+        index = tuple(int(c) for c in torch.unravel_index(largest, want.shape))
+        return [f"{what}: relative error {err:.2e} over the finite entries (allowed {LOGITS_RTOL:g}), largest at "
+                f"{list(index)}: {_item(have, index)}, expected {_item(want, index)}"]
+    return []
+
+
+def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor) -> list[str]:
+    rows_w, rows_h = want.reshape(-1, want.shape[-1]), have.reshape(-1, have.shape[-1])
+    k = rows_w.shape[-1]
+    allowed = max(1, math.floor(TOPK_ROW_FRACTION * k))
+    for r in range(rows_w.shape[0]):
+        w, h = Counter(rows_w[r].tolist()), Counter(rows_h[r].tolist())
+        repeated = sorted(c for c, n in h.items() if n > 1 and c >= 0)
+        if repeated:
+            return [f"{what}: row {r} repeats column(s) {repeated[:4]}"]
+        missing = sum((w - h).values())  # multisets: the -1 padding repeats
+        if missing > allowed:
+            return [f"{what}: row {r} misses {missing} of its {k} top-k entries (allowed {allowed}), e.g. "
+                    f"{sorted((w - h).elements())[:4]}, and has {sorted((h - w).elements())[:4]} instead"]
+    return []
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    equal = a == b
+    return equal | (a.isnan() & b.isnan()) if a.is_floating_point() else equal
+
+
+def _first_difference(what: str, want: torch.Tensor, have: torch.Tensor) -> str:
+    differ = ~_same(want, have)
+    index = tuple(int(c) for c in differ.nonzero()[0])
+    return f"{what} differs in {int(differ.sum())} element(s), first at {list(index)}: {_item(have, index)}, " \
+           f"expected {_item(want, index)}"
+
+
+def _item(t: torch.Tensor, index: tuple[int, ...]) -> Any:
+    return t[index].item()
+
+
+def _describe(x: Any) -> str:
+    return f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
