@@ -4,7 +4,8 @@ Two kinds of decision, both reported in one line by :func:`describe`:
 
 - :func:`capability`: the machine (platform, gfx arch, Triton and aiter versions, which keywords the installed
   aiter accepts) and the switches ``NSA_INDUCTOR_DISABLE_AITER`` / ``NSA_INDUCTOR_DISABLE_PRESHUFFLE`` /
-  ``AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS``: read once per process, on first use (never at import).
+  ``AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS`` / ``NSA_INDUCTOR_CHECKS``: read once per process, on first use (never at
+  import).
 - :func:`select_layout`: the K-cache layout. ``NSA_INDUCTOR_LAYOUT`` / ``NSA_INDUCTOR_PAGE_SIZE`` are read on every
   call (each compile), so a changed value takes effect at the next compile; the result is cached per value.
 
@@ -38,6 +39,7 @@ ENV_DISABLE_PRESHUFFLE = "NSA_INDUCTOR_DISABLE_PRESHUFFLE"
 ENV_DISABLE_AITER = "NSA_INDUCTOR_DISABLE_AITER"
 ENV_DUMP_DIR = "NSA_INDUCTOR_DUMP_DIR"
 ENV_AITER_AOT = "AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS"
+ENV_CHECKS = "NSA_INDUCTOR_CHECKS"
 
 LAYOUT_NAMES = ("flat", "paged", "preshuffle")
 DEFAULT_PAGE_SIZE = 64
@@ -116,6 +118,7 @@ class Capability:
     # whose signature tells nothing (sorted, so the cache key is the same in every process); None: not inspected,
     # the version decides.
     aiter_params: tuple[str, ...] | None = None
+    index_checks: bool = False  # NSA_INDUCTOR_CHECKS: every nsa op call asserts its index arguments
 
     def aiter_has(self, feature: str) -> bool:
         """Whether the installed aiter has ``feature`` (a key of ``AITER_FEATURES``)."""
@@ -271,6 +274,7 @@ def capability() -> Capability:
         gfx_arch=arch,
         aiter_aot_bundle=use and _aiter_aot_bundle(),
         aiter_params=_aiter_params() if use else None,
+        index_checks=_env_flag(ENV_CHECKS),
     )
 
 
@@ -495,8 +499,9 @@ def describe(decision: LayoutDecision | None = None, cap: Capability | None = No
             aiter += f" (disabled by {ENV_DISABLE_AITER})"
     else:
         aiter = "no"
+    checks = f" checks=on ({ENV_CHECKS})" if cap.index_checks else ""
     return (
         f"nsa_inductor: platform={cap.platform} ({cap.device_name}{arch}) kernels={cap.kernel_backend} "
         f"triton={cap.triton_version or 'none'} aiter={aiter} "
-        f"fp8={fp8} layout={decision}{aiter_routes(cap, decision.layout)}"
+        f"fp8={fp8} layout={decision}{checks}{aiter_routes(cap, decision.layout)}"
     )

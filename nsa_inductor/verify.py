@@ -29,7 +29,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 LOGITS_RTOL = 1e-3
-CACHE_BYTES_FRACTION = 1e-2
+CACHE_BYTES_FRACTION = 2e-2  # twice the tests' bound for wk_gate_gemm (docs/numerics.md): 1 % of values, 1 % of scales
 TOPK_ROW_FRACTION = 1e-2
 _TOPK_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "add", "sub",
                   "clone", "contiguous", "getitem", "getattr", "_to_copy", "type"}

@@ -1,16 +1,19 @@
 """Whole compiled decode steps against eager under hypothesis (docs/indices.md), on the one shared compiled model
 with fixed shapes (no recompiles): context lengths (0, page edges, full table), padding, shared slots, slots past
 the cache, negative page ids (Python wrap-around). Cache bytes, logits and top-k sets as eager's, and no byte
-outside the slots the step writes changes."""
+outside the slots the step writes changes. Under ``nsa.checks`` the same step raises exactly on out-of-contract ids."""
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nsa_inductor.workload import Batch, decode_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, compiled
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, compile_indexer, compiled
 from helpers.pass_helpers import assert_matches_eager
 
 LAYOUT = LAYOUTS["paged"]
@@ -52,3 +55,50 @@ def test_decode_step_matches_eager(lens, slot_edit, wrap, seed):
     for before, now in zip(LAYOUT.load(batch.kv_cache, every, torch.float8_e4m3fn),
                            LAYOUT.load(after.kv_cache, every, torch.float8_e4m3fn)):
         assert torch.equal(before.view(torch.uint8), now.view(torch.uint8)), "a slot the step does not write changed"
+
+
+@functools.cache
+def _checked_decode():
+    """The shared model's decode compiled again with ``nsa.checks`` (same shapes as above)."""
+    eager_fn, _, _ = compiled("deepseek_v32", "paged", "decode")
+    options = {"nsa.layout": "paged", "nsa.page_size": LAYOUT.page_size, "nsa.checks": True}
+    return eager_fn, compile_indexer(eager_fn, options)
+
+
+@settings(max_examples=8)
+@given(lens=st.lists(st.sampled_from([0, 1, 16, 33, 48]), min_size=4, max_size=4),
+       edit=st.sampled_from(["none", "slot-past-cache", "page-past-cache", "page-below-wrap", "unused-page-bad"]),
+       seed=st.integers(0, 999))
+def test_checked_decode_step_raises_exactly_on_bad_ids(lens, edit, seed):
+    """Under ``nsa.checks`` a step raises naming the argument exactly when an id is outside the contract (a page id
+    only where a sequence's tokens are); otherwise it equals eager."""
+    eager_fn, checked_fn = _checked_decode()
+    batch = decode_batch(CONFIGS["deepseek_v32"], LAYOUT, lens, next_n=1, max_len=48, seed=seed,
+                         cache_pages=NUM_SLOTS // LAYOUT.page_size)
+    args = list(batch.args)
+    num_pages = args[4].shape[0]
+    table, slots = args[5].clone(), args[3].clone()
+    used_pages = (torch.tensor(lens) + LAYOUT.page_size - 1) // LAYOUT.page_size  # pages each sequence's tokens use
+    row = int(torch.argmax(used_pages))
+    argument = None
+    if edit == "slot-past-cache":
+        slots[seed % len(lens)] = NUM_SLOTS + seed
+        argument = "slot_mapping"
+    elif edit in ("page-past-cache", "page-below-wrap") and used_pages[row] > 0:
+        table[row, int(used_pages[row]) - 1] = num_pages + seed if edit == "page-past-cache" else -num_pages - 1 - seed
+        argument = "block_table"
+    args[3], args[5] = slots, table
+    batch = Batch(*args)
+    if edit == "unused-page-bad" and used_pages.min() < table.shape[1]:
+        # Past a sequence's tokens no page is read: a bad id there is no error, and the result is the one with a
+        # valid id there (eager itself gathers every entry, so it runs with the valid one).
+        unused = int(torch.argmin(used_pages))
+        bad_table = table.clone()
+        bad_table[unused, int(used_pages[unused]):] = num_pages + seed
+        assert_matches_eager(eager_fn, checked_fn, batch, prepare=lambda b: Batch(*b.args[:5], bad_table, b.lens))
+        return
+    if argument is None:
+        assert_matches_eager(eager_fn, checked_fn, batch)
+        return
+    with pytest.raises(RuntimeError, match=f"nsa.checks: {argument}"), torch.no_grad():
+        checked_fn(*batch.clone().args)

@@ -3,6 +3,11 @@ indexer. Ids eager accepts give eager's result; any other id writes nothing / re
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -14,6 +19,7 @@ from helpers.ops64 import FN, random_cache, random_fp8
 from helpers.pass_helpers import assert_matches_eager
 
 LAYOUT = KCacheLayout(16)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _with_table(batch: Batch, table: torch.Tensor) -> Batch:
@@ -176,3 +182,29 @@ def test_checks_raise_naming_the_argument(name):
             assert torch.equal(a.view(torch.uint8) if a.dtype == FN else a, b.view(torch.uint8) if b.dtype == FN else b)
     with pytest.raises(RuntimeError, match=f"nsa.checks: {argument}|nsa.checks: .*{argument}"):
         compiled_fn(*[a.clone() for a in bad])
+
+
+def test_environment_switch_checks_every_op_call():
+    """``NSA_INDUCTOR_CHECKS=1``: the ops themselves assert (engines calling ``torch.ops.nsa`` directly), with the same
+    messages as ``nsa.checks``; in-contract ids run as before. A fresh process: the switch is read once per process."""
+    script = """
+import sys, torch
+sys.path.insert(0, "tests")
+import nsa_inductor
+from test_indices import _checks_cases
+assert "checks=on (NSA_INDUCTOR_CHECKS)" in nsa_inductor.describe()
+for name in ["store", "paged-table", "paged-context", "gather-cu"]:
+    fn, good, bad, argument = _checks_cases()[name]
+    fn(*good)
+    try:
+        fn(*bad)
+    except RuntimeError as e:
+        assert f"nsa.checks: " in str(e) and argument in str(e), (name, str(e))
+    else:
+        raise AssertionError(f"{name}: no error")
+print("ok")
+"""
+    env = {**os.environ, "NSA_INDUCTOR_CHECKS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

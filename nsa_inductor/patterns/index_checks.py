@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..lowering._index_checks import check_cu_seqlens, check_pages, check_slots
 from .base import GraphPass, PassContext
-from .fx_utils import aten, arg, insert_call, is_op, prims, val
+from .fx_utils import aten, arg, insert_call, is_op, val
 
 _STORE = torch.ops.nsa.quant_cache_store.default
 # The store as the rewrite inserts it (v1) and as AOTAutograd functionalizes a call the user wrote (v2).
@@ -36,26 +37,25 @@ class IndexChecks(GraphPass):
                 yield node
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
+        def call(op, args, kwargs=None):
+            return insert_call(graph, op, args, kwargs, like=node)
+
         with graph.inserting_before(node):
             if is_op(node, *_FUNCTIONALIZED):
-                _check_slots(graph, node.kwargs["slot_mapping"], _cache_pages(node), node.kwargs["page_size"])
-            elif is_op(node, torch.ops.nsa.paged_mqa_logits.default):
+                check_slots(call, node.kwargs["slot_mapping"], _cache_pages(node), node.kwargs["page_size"])
+                return node
+            if is_op(node, torch.ops.nsa.paged_mqa_logits.default):
                 cache, lens, table = arg(node, 1, "cache"), arg(node, 3, "context_lens"), arg(node, 4, "block_table")
-                _check_pages(graph, table, lens, cache, arg(node, 6, "page_size"), "context_lens")
+                page_size, lens_name = arg(node, 6, "page_size"), "context_lens"
             else:
                 cache, table, cu = arg(node, 0, "cache"), arg(node, 1, "block_table"), arg(node, 2, "cu_seqlens")
-                _check_cu_seqlens(graph, cu)
-                ends = insert_call(graph, aten.slice.Tensor, (cu, 0, 1))
-                starts = insert_call(graph, aten.slice.Tensor, (cu, 0, 0, -1))
-                lens = insert_call(graph, aten.sub.Tensor, (ends, starts))
-                _check_pages(graph, table, lens, cache, arg(node, 3, "page_size"), "cu_seqlens")
+                page_size, lens_name = arg(node, 3, "page_size"), "cu_seqlens"
+                lens = check_cu_seqlens(call, cu)
+            width = val(table).shape[1]
+            if not isinstance(width, int):
+                width = call(aten.sym_size.int, (table, 1))
+            check_pages(call, table, lens, val(cache).shape[0], width, page_size, lens_name, val(table).device)
         return node
-
-
-def _assert(graph: torch.fx.Graph, bad: torch.fx.Node, message: str) -> None:
-    """Assert no element of ``bad`` is set (``not any``: Inductor lowers ``any``, not ``all``)."""
-    none = insert_call(graph, aten.logical_not.default, (insert_call(graph, aten.any.default, (bad,)),))
-    insert_call(graph, aten._assert_async.msg, (none, f"nsa.checks: {message}"))
 
 
 def _cache_pages(store: torch.fx.Node):
@@ -66,42 +66,3 @@ def _cache_pages(store: torch.fx.Node):
     if "_cache_size" in kwargs:
         return kwargs["_cache_size"][0]
     return val(kwargs["_all_bases"][kwargs["_cache_base_index"]]).shape[0]
-
-
-def _check_slots(graph: torch.fx.Graph, slots: torch.fx.Node, num_pages, page_size: int) -> None:
-    num_slots = num_pages * page_size
-    _assert(graph, insert_call(graph, aten.ge.Scalar, (slots, num_slots)),
-            f"slot_mapping holds a slot >= {num_slots}, past the K cache ({num_pages} pages of {page_size}); "
-            f"negative slots are padding")
-
-
-def _check_pages(graph: torch.fx.Graph, table: torch.fx.Node, lens: torch.fx.Node, cache: torch.fx.Node,
-                 page_size: int, lens_name: str) -> None:
-    """Every page a sequence's tokens sit on is readable (``[-num_pages, num_pages)``), and within the table."""
-    num_pages = val(cache).shape[0]
-    below = insert_call(graph, aten.lt.Scalar, (table, -num_pages))
-    above = insert_call(graph, aten.ge.Scalar, (table, num_pages))
-    unreadable = insert_call(graph, aten.logical_or.default, (below, above))
-    pages = insert_call(graph, aten.div.Tensor_mode, (insert_call(graph, aten.add.Tensor, (lens, page_size - 1)),
-                                                      page_size), {"rounding_mode": "floor"})
-    max_pages = val(table).shape[1]
-    width = max_pages if isinstance(max_pages, int) else insert_call(graph, aten.sym_size.int, (table, 1))
-    column = insert_call(graph, prims.iota.default, (width,),
-                         dict(start=0, step=1, dtype=torch.int64, device=val(table).device, requires_grad=False),
-                         table)
-    used = insert_call(graph, aten.lt.Tensor, (insert_call(graph, aten.unsqueeze.default, (column, 0)),
-                                               insert_call(graph, aten.unsqueeze.default, (pages, 1))))
-    _assert(graph, insert_call(graph, aten.logical_and.default, (unreadable, used)),
-            f"block_table holds a page id outside [-{num_pages}, {num_pages}) (the K cache's pages) where a "
-            f"sequence's tokens are ({lens_name})")
-    _assert(graph, insert_call(graph, aten.gt.Scalar, (pages, width)),
-            f"{lens_name} gives a sequence more tokens than its block_table row holds ({max_pages} pages of "
-            f"{page_size})")
-
-
-def _check_cu_seqlens(graph: torch.fx.Graph, cu: torch.fx.Node) -> None:
-    first = insert_call(graph, aten.slice.Tensor, (cu, 0, 0, 1))
-    _assert(graph, insert_call(graph, aten.ne.Scalar, (first, 0)), "cu_seqlens[0] is not 0")
-    ends = insert_call(graph, aten.slice.Tensor, (cu, 0, 1))
-    starts = insert_call(graph, aten.slice.Tensor, (cu, 0, 0, -1))
-    _assert(graph, insert_call(graph, aten.lt.Tensor, (ends, starts)), "cu_seqlens decreases")

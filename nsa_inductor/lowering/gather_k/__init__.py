@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ...capability import capability
 from ...layout import HEAD_DIM
+from .._index_checks import check_cu_seqlens, check_pages, eager_call
 from .._common import (check, check_devices, check_fp8, check_layout, contiguous, describe, implementation,
                       once_per_signature)
 
@@ -38,6 +40,10 @@ def gather_k(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequences' cached K as contiguous ``(k_fp8 [num_tokens,128], k_scale [num_tokens])``; spare rows zero."""
     _validate(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)
+    if capability().index_checks:
+        lens = check_cu_seqlens(eager_call, cu_seqlens)
+        check_pages(eager_call, block_table, lens, cache.shape[0], block_table.shape[1], page_size, "cu_seqlens",
+                    block_table.device)
     block_table, cu_seqlens = contiguous(block_table, cu_seqlens)
     run = implementation("gather_k", cache.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle)
     return run(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype)

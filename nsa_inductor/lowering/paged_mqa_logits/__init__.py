@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from ...capability import capability
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
+from .._index_checks import check_pages, eager_call
 from .._common import (check, check_devices, check_layout, contiguous, describe, implementation,
                       once_per_signature)
 
@@ -42,6 +44,9 @@ def paged_mqa_logits(
 ) -> torch.Tensor:
     """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked)."""
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    if capability().index_checks:
+        check_pages(eager_call, block_table, context_lens, cache.shape[0], block_table.shape[1], page_size,
+                    "context_lens", block_table.device)
     q_fp8, weights, context_lens, block_table = contiguous(q_fp8, weights, context_lens, block_table)
     args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
     run = implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype, page_size=page_size, preshuffle=preshuffle,

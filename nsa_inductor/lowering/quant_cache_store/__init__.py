@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ...capability import capability
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
+from .._index_checks import check_slots, eager_call
 from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rotation, contiguous,
                       implementation, once_per_signature, register_version_bump)
 
@@ -56,6 +58,8 @@ def quant_cache_store(
     which then needs no kernel of its own. The rotation ([128, 128] fp32 or bf16, any strides) is summed in another
     order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
+    if capability().index_checks:
+        check_slots(eager_call, slot_mapping, cache.shape[0], page_size)
     k, slot_mapping = contiguous(k, slot_mapping)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
                          rotation=rotation is not None)

@@ -1,0 +1,63 @@
+"""The index contract's checks (docs/indices.md), defined once for the two places they run: the ``index_checks``
+pass inserts them into a compiled graph (``nsa.checks``), and the ops run them on every call when
+``NSA_INDUCTOR_CHECKS`` is set (``capability().index_checks``), for engines that call ``torch.ops.nsa`` directly.
+
+Each check is built from aten calls through ``call(op, args, kwargs=None)``: eagerly that runs them, in the pass it
+inserts graph nodes. Each ends in ``torch._assert_async`` (a device-side assert on a GPU, no host synchronisation;
+a ``RuntimeError`` on the CPU) whose message names the argument. They change no result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+aten = torch.ops.aten
+Call = Callable[..., Any]
+
+
+def eager_call(op, args: tuple, kwargs: dict | None = None) -> Any:
+    return op(*args, **(kwargs or {}))
+
+
+def _assert_none(call: Call, bad, message: str) -> None:
+    """Assert no element of ``bad`` is set (``not any``: Inductor lowers ``any``, not ``all``)."""
+    none = call(aten.logical_not.default, (call(aten.any.default, (bad,)),))
+    call(aten._assert_async.msg, (none, f"nsa.checks: {message}"))
+
+
+def check_slots(call: Call, slots, num_pages: int, page_size: int) -> None:
+    num_slots = num_pages * page_size
+    _assert_none(call, call(aten.ge.Scalar, (slots, num_slots)),
+                 f"slot_mapping holds a slot >= {num_slots}, past the K cache ({num_pages} pages of {page_size}); "
+                 f"negative slots are padding")
+
+
+def check_pages(call: Call, table, lens, num_pages: int, width, page_size: int, lens_name: str, device) -> None:
+    """Every page a sequence's tokens sit on is readable (``[-num_pages, num_pages)``), and within the table
+    (``width`` columns)."""
+    below = call(aten.lt.Scalar, (table, -num_pages))
+    above = call(aten.ge.Scalar, (table, num_pages))
+    unreadable = call(aten.logical_or.default, (below, above))
+    pages = call(aten.div.Tensor_mode, (call(aten.add.Tensor, (lens, page_size - 1)), page_size),
+                 {"rounding_mode": "floor"})
+    column = call(torch.ops.prims.iota.default, (width,),
+                  dict(start=0, step=1, dtype=torch.int64, device=device, requires_grad=False))
+    used = call(aten.lt.Tensor, (call(aten.unsqueeze.default, (column, 0)), call(aten.unsqueeze.default, (pages, 1))))
+    _assert_none(call, call(aten.logical_and.default, (unreadable, used)),
+                 f"block_table holds a page id outside [-{num_pages}, {num_pages}) (the K cache's pages) where a "
+                 f"sequence's tokens are ({lens_name})")
+    _assert_none(call, call(aten.gt.Scalar, (pages, width)),
+                 f"{lens_name} gives a sequence more tokens than its block_table row holds (pages of {page_size} "
+                 f"tokens)")
+
+
+def check_cu_seqlens(call: Call, cu):
+    """``cu_seqlens`` starts at 0 and never decreases; returns each sequence's length."""
+    first = call(aten.slice.Tensor, (cu, 0, 0, 1))
+    _assert_none(call, call(aten.ne.Scalar, (first, 0)), "cu_seqlens[0] is not 0")
+    ends = call(aten.slice.Tensor, (cu, 0, 1))
+    starts = call(aten.slice.Tensor, (cu, 0, 0, -1))
+    _assert_none(call, call(aten.lt.Tensor, (ends, starts)), "cu_seqlens decreases")
+    return call(aten.sub.Tensor, (ends, starts))
