@@ -147,7 +147,15 @@ def quantize_constants(fp8_dtype: torch.dtype, fmax: float, scale_fmt: str) -> d
     finfo and numpy cost microseconds per call; callers unpack the dict, never change it)."""
     return {"FMAX": fmax, "INV_FMAX": float(np.float32(1.0) / np.float32(fmax)), "UE8M0": scale_fmt == "ue8m0",
             "MIN_EXP": 1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
-            "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn}
+            "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn, "NAN_CODE": 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80}
+
+
+@triton.jit
+def fp8_values(y, FP8: tl.constexpr, NAN_CODE: tl.constexpr):
+    """``y`` (on the fp8 grid) as ``FP8`` values, NaN as the type's NaN code (the interpreter's fp8 cast turns NaN
+    into other bits)."""
+    bits = tl.where(y != y, NAN_CODE, y.to(FP8).to(tl.uint8, bitcast=True))
+    return bits.to(tl.uint8).to(FP8, bitcast=True)
 
 
 @triton.jit
@@ -180,7 +188,8 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: t
     if SPLIT:
         hi, lo = split_bf16(r)
         acc = dot_bf16(acc, x, hi, ON_GPU)
-        acc = dot_bf16(acc, x, lo, ON_GPU)
+        low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
+        acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
     else:
         acc = dot_bf16(acc, x, r, ON_GPU)
     return acc

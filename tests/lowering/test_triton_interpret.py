@@ -397,6 +397,26 @@ def test_rotate_act_quant_matches_reference_exactly_where_sums_are_exact(rotatio
 
 
 @child_only
+@pytest.mark.parametrize("rotation", ["hadamard32", "hadamard_bf16"])
+def test_rotate_act_quant_nan_and_inf_rows_as_the_reference(rotation):
+    """A NaN in a row makes that row's values and scale NaN; an inf makes its scale inf and its values NaN, as the
+    reference (fp32 GEMM) computes them, also where the fp32 matrix enters as hi + lo (inf times lo's zeros)."""
+    from nsa_inductor.lowering.rotate_act_quant import reference
+
+    x = integer_rows(4, torch.Generator().manual_seed(3)).view(4, 1, 128)
+    x[1, 0, 7], x[2, 0, 100] = float("nan"), float("-inf")
+    args = (ROTATIONS[rotation](), 128**-0.5, False, 128, "ue8m0", FN, 448.0)
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args)
+    want = reference.rotate_act_quant(x, *args)
+    assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(got[1].isinf(), want[1].isinf())
+    assert torch.equal(got[1][[0, 3]], want[1][[0, 3]]) and want[1][2].isinf().all()
+    got_v, want_v = got[0].float(), want[0].float()
+    assert torch.equal(got_v.isnan(), want_v.isnan()) and want_v[[1, 2]].isnan().all()
+    assert torch.equal(got[0][[0, 3]].view(torch.uint8), want[0][[0, 3]].view(torch.uint8))
+    assert (got[0][[1, 2]].view(torch.uint8) == 0x7F).all()  # the e4m3fn NaN code
+
+
+@child_only
 def test_rotate_act_quant_any_fp32_matrix_within_contract():
     """A random fp32 matrix enters as bf16 hi + lo (~16 bits): one fp8 step at most, in few values."""
     from nsa_inductor.lowering.rotate_act_quant import reference

@@ -18,10 +18,10 @@ def _validate(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
     tokens, heads, _ = q_fp8.shape
     check("k_fp8", k_fp8, (None, HEAD_DIM), (q_fp8.dtype,), "[N, 128] (same fp8 type as q_fp8)")
     num_keys = k_fp8.shape[0]
-    check("k_scale", k_scale, (num_keys,), (torch.float32,), f"[N={num_keys}]")
-    check("weights", weights, (tokens, heads), (torch.float32,), f"[T={tokens}, H={heads}]")
-    check("ks", ks, (tokens,), (torch.int32,), f"[T={tokens}]")
-    check("ke", ke, (tokens,), (torch.int32,), f"[T={tokens}]")
+    check("k_scale", k_scale, (num_keys,), (torch.float32,), f"[N={num_keys}] (N of k_fp8)")
+    check("weights", weights, (tokens, heads), (torch.float32,), f"[T={tokens}, H={heads}] (T, H of q_fp8)")
+    check("ks", ks, (tokens,), (torch.int32,), f"[T={tokens}] (T of q_fp8)")
+    check("ke", ke, (tokens,), (torch.int32,), f"[T={tokens}] (T of q_fp8)")
     check_devices(q_fp8=q_fp8, k_fp8=k_fp8, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
 
 

@@ -20,9 +20,10 @@ from .._common import (check, check_devices, check_layout, contiguous, describe,
 def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle) -> None:
     check("q_fp8", q_fp8, (None, None, None, HEAD_DIM), FP8_DTYPES, "[B, next_n, H, 128]")
     batch, next_n, heads, _ = q_fp8.shape
-    check("weights", weights, (batch * next_n, heads), (torch.float32,), f"[B*next_n={batch * next_n}, H={heads}]")
-    check("context_lens", context_lens, (batch,), (torch.int32,), f"[B={batch}]")
-    check("block_table", block_table, (batch, None), (torch.int32,), f"[B={batch}, max_pages]")
+    check("weights", weights, (batch * next_n, heads), (torch.float32,),
+          f"[B*next_n={batch * next_n}, H={heads}] (B, next_n, H of q_fp8)")
+    check("context_lens", context_lens, (batch,), (torch.int32,), f"[B={batch}] (B of q_fp8)")
+    check("block_table", block_table, (batch, None), (torch.int32,), f"[B={batch}, max_pages] (B of q_fp8)")
     if block_table.shape[1] < 1:
         raise ValueError(f"block_table must have at least one column, got {describe(block_table)}")
     if max_len < 0:

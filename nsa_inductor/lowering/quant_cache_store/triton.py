@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from ...quant import fp8_max
-from .._triton_common import (cdiv, interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
-                              scale_constants, scale_offsets, scale_rows, value_offsets)
+from .._triton_common import (cdiv, fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows,
+                              round_to_bf16, scale_constants, scale_offsets, scale_rows, value_offsets)
 
 
 @triton.jit
@@ -66,9 +66,7 @@ def _quant_store_kernel(
     elif ROUND_TO == "fp16":
         x = x.to(tl.float16).to(tl.float32)
     y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, ON_GPU)
-    # NaN stays NaN, as its fp8 code: the interpreter's fp8 cast turns NaN into +-inf's bits
-    y = tl.where(y != y, NAN_CODE, y.to(values_ptr.dtype.element_ty).to(tl.uint8, bitcast=True))
-    y = y.to(values_ptr.dtype.element_ty, bitcast=True)
+    y = fp8_values(y, values_ptr.dtype.element_ty, NAN_CODE)
     overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
     for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
         later = first + tl.arange(0, SCAN_BLOCK)
@@ -115,7 +113,6 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
         **quantize_constants(fp8_dtype, fp8_max(fp8_dtype), scale_fmt),
-        NAN_CODE=0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80,
         ON_GPU=not interpreted(kernel),
         BLOCK_T=block_t,
         SCAN_BLOCK=128,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
+from .._triton_common import (fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
                               scale_constants, scale_rows)
 
 
@@ -15,7 +15,8 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                              SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr,
                              SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
                              FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
-                             SIGNED_ZERO: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr):
+                             SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, ON_GPU: tl.constexpr,
+                             BLOCK_M: tl.constexpr):
     """``y = bf16((x @ R) * SCALE)`` for BLOCK_M rows (``rotate_rows``: fp32 accumulation, then the scale in fp32
     as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
     group of ``y`` (``quantize_rows``)."""
@@ -29,8 +30,8 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
     groups: tl.constexpr = 128 // QUANT_BLOCK
     values, scale = quantize_rows(tl.reshape(y, [BLOCK_M * groups, QUANT_BLOCK]), FMAX, INV_FMAX, UE8M0, MIN_EXP,
                                   SIGNED_ZERO, ON_GPU)
-    tl.store(values_ptr + offsets, tl.reshape(values, [BLOCK_M, 128]).to(values_ptr.dtype.element_ty),
-             mask=in_range[:, None])
+    tl.store(values_ptr + offsets, fp8_values(tl.reshape(values, [BLOCK_M, 128]), values_ptr.dtype.element_ty,
+                                              NAN_CODE), mask=in_range[:, None])
     if groups == 1:
         tl.store(scales_ptr + r, scale, mask=in_range)
     else:

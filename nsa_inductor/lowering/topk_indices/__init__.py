@@ -26,9 +26,9 @@ def _validate(logits, k, lengths, offset, pad) -> None:
     if pad not in PADS:
         raise ValueError(f"pad must be one of {PADS}, got {pad!r}")
     if lengths is not None:
-        check("lengths", lengths, (rows,), INT_TYPES, f"[R={rows}]")
+        check("lengths", lengths, (rows,), INT_TYPES, f"[R={rows}] (R of logits)")
     if offset is not None:
-        check("offset", offset, (rows,), INT_TYPES, f"[R={rows}]")
+        check("offset", offset, (rows,), INT_TYPES, f"[R={rows}] (R of logits)")
     check_devices(logits=logits, **{n: t for n, t in (("lengths", lengths), ("offset", offset)) if t is not None})
 
 

@@ -60,8 +60,10 @@ class MqaLogitsPass(GraphPass):
 
     @staticmethod
     def head_weights(graph: torch.fx.Graph, m: Match) -> torch.fx.Node:
-        """The op's ``[rows, H]`` weights: the proven weights times the product's number factors, if any."""
-        weights = reshape(graph, m.weights, [-1, m.heads])
+        """The op's ``[rows, H]`` weights: the product of the proven weight factors and of the number factors."""
+        weights = reshape(graph, m.weights[0], [-1, m.heads])
+        for factor in m.weights[1:]:
+            weights = insert_call(graph, torch.ops.aten.mul.Tensor, (weights, reshape(graph, factor, [-1, m.heads])))
         if m.weight_scale == 1.0:
             return weights
         return insert_call(graph, torch.ops.aten.mul.Tensor, (weights, m.weight_scale))

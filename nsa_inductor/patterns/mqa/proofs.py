@@ -131,7 +131,7 @@ class Match:
     family: str  # "decode" | "prefill"
     where: torch.fx.Node
     q: torch.fx.Node  # fp8 q values, linear index ((row * H) + h) * 128 + d
-    weights: torch.fx.Node  # fp32, linear index row * H + h
+    weights: list[torch.fx.Node]  # fp32 factors whose product is the weights, each at linear index row * H + h
     heads: int
     rows: int
     keys: int
@@ -362,21 +362,24 @@ def prove_dot(s: Samples, dot: torch.fx.Node, leaves: set[torch.fx.Node]) -> Dot
     return DotProof(q_leaf, operands[1 - qi], d, head, k_plain, located[1 - qi][1])
 
 
-def prove_weights(s: Samples, weights: list[tuple], head: torch.Tensor) -> torch.fx.Node:
-    """One fp32 ``[rows, H]`` factor outside the relu, read at ``(row, h)``."""
-    if len(weights) != 1:
-        raise NearMiss(f"{len(weights)} per-head weight factors, expected one")
-    w, w_inside, found = weights[0][:3]
-    if found is None:
-        raise NearMiss(f"the head weights {w.name} could not be probed")
-    w_leaf, w_c, w_tr = found
-    if w_inside:
-        raise NearMiss("the head weights are applied inside the relu")
-    if w_tr or val(w_leaf).dtype != torch.float32 or math.prod(shape_of(w_leaf)) != s.rows * s.heads:
-        raise NearMiss(f"weights {w_leaf.name} are not an fp32 [rows={s.rows}, H={s.heads}] tensor")
-    if not torch.equal(linear(w_c, shape_of(w_leaf)), s.s_row * s.heads + head):
-        raise NearMiss("weights are not applied per (row, head)")
-    return w_leaf
+def prove_weights(s: Samples, weights: list[tuple], head: torch.Tensor) -> list[torch.fx.Node]:
+    """The factors outside the relu other than k_scale: each an fp32 ``[rows, H]`` tensor read at ``(row, h)`` (one,
+    or several whose product is the weights, e.g. the gates and q's scale where Inductor did not fold them)."""
+    if not weights:
+        raise NearMiss("no per-head weight factor in the head-sum product")
+    leaves = []
+    for w, w_inside, found in (entry[:3] for entry in weights):
+        if found is None:
+            raise NearMiss(f"the head weights {w.name} could not be probed")
+        w_leaf, w_c, w_tr = found
+        if w_inside:
+            raise NearMiss("the head weights are applied inside the relu")
+        if w_tr or val(w_leaf).dtype != torch.float32 or math.prod(shape_of(w_leaf)) != s.rows * s.heads:
+            raise NearMiss(f"weights {w_leaf.name} are not an fp32 [rows={s.rows}, H={s.heads}] tensor")
+        if not torch.equal(linear(w_c, shape_of(w_leaf)), s.s_row * s.heads + head):
+            raise NearMiss("weights are not applied per (row, head)")
+        leaves.append(w_leaf)
+    return leaves
 
 
 def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], dot: DotProof, scale: tuple,

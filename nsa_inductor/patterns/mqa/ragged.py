@@ -45,7 +45,7 @@ class RaggedMqaLogits(MqaLogitsPass):
             q = reshape(graph, m.q, [-1, heads, HEAD_DIM])
             weights = self.head_weights(graph, m)
             if m.cached_prefill:
-                k8, k_scale = self._gather(graph, m, layout, size_arg(graph, where_shape[1], [m.q, m.weights, *inputs]))
+                k8, k_scale = self._gather(graph, m, layout, size_arg(graph, where_shape[1], [m.q, *m.weights, *inputs]))
             else:  # the model's own gather stays
                 k8, k_scale = reshape(graph, m.k_plain[0], [-1, HEAD_DIM]), reshape(graph, m.k_plain[1], [-1])
             if m.bounds is not None:
@@ -54,7 +54,7 @@ class RaggedMqaLogits(MqaLogitsPass):
                 ks = insert_call(graph, aten.zeros_like.default, (ke,)) if begin is None else \
                     as_dtype(graph, begin, torch.int32)
             else:
-                ks, ke = self._causal_bounds(graph, m.lens, size_arg(graph, where_shape[0], [m.q, m.weights, *inputs]))
+                ks, ke = self._causal_bounds(graph, m.lens, size_arg(graph, where_shape[0], [m.q, *m.weights, *inputs]))
             out = insert_call(graph, torch.ops.nsa.mqa_logits.default, (q, k8, k_scale, weights, ks, ke))
             replace(graph, m.where, out)
 
