@@ -199,6 +199,13 @@ def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def head_weights(weights: torch.Tensor, factor: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``weights * factor * scale`` in fp32 and that order, as the logits kernels multiply them."""
+    if factor is not None:
+        weights = weights * factor
+    return weights * scale if scale != 1.0 else weights
+
+
 def slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int, num_pages: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache slot of token ``pos`` of sequence ``seq`` (broadcasting) and whether it is readable (docs/indices.md).

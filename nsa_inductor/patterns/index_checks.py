@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..lowering._index_checks import check_cu_seqlens, check_pages, check_slots
+from ..index_contract import check_cu_seqlens, check_pages, check_slots
 from .base import GraphPass, PassContext
 from .fx_utils import aten, arg, insert_call, is_op, val
 

@@ -175,6 +175,9 @@ def test_paged_mqa_logits_matches_float64(layout, heads, next_n, ctx, extra_len,
     got = torch.ops.nsa.paged_mqa_logits(*args)
     assert got.shape == (batch * next_n, max_len) and got.dtype == torch.float32
     assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
+    factor = torch.rand(batch * next_n, heads, generator=gen)
+    factored = torch.ops.nsa.paged_mqa_logits(*args, factor, 0.25)  # the weights as w * factor * 0.25
+    assert_logits_close(factored, paged_logits64(q, cache, weights * factor * 0.25, *args[3:]), rtol=1e-5)
 
 
 @HYP
@@ -420,7 +423,9 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("gather_k", 1, torch.zeros(2, 2, dtype=torch.int64), r"block_table must be int32 \[B, max_pages\], got int64"),
         ("gather_k", 2, torch.zeros(4, dtype=torch.int32), r"cu_seqlens must be int32 \[B\+1=3\].* got int32 \[4\]"),
         ("paged_mqa_logits", 0, torch.zeros(2, 2, 32, 128), r"q_fp8 must be float8_e4m3fn or float8_e4m3fnuz"),
-        ("paged_mqa_logits", 2, torch.zeros(2, 32), r"weights must be float32 \[B\*next_n=4, H=32\], got .*\[2, 32\]"),
+        ("paged_mqa_logits", 2, torch.zeros(2, 32), r"weights must be float32 \[B\*next_n=4, H=32\] \(B, next_n, H of q_fp8\), got .*\[2, 32\]"),
+        ("paged_mqa_logits", 8, torch.zeros(4, 31), r"weights_factor must be float32 \[B\*next_n=4, H=32\] \(as "
+                                                   r"weights\), got float32 \[4, 31\]"),
         ("paged_mqa_logits", 3, torch.zeros(2, dtype=torch.int64), r"context_lens must be int32 \[B=2\] \(B of q_fp8\), got int64"),
         ("paged_mqa_logits", 4, torch.zeros(3, 2, dtype=torch.int32), r"block_table must be int32 \[B=2, max_pages\]"),
         ("mqa_logits", 1, torch.zeros(9, 128, dtype=FNUZ), r"k_fp8 must be float8_e4m3fn \[N, 128\]"),

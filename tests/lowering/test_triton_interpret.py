@@ -208,10 +208,11 @@ def test_gather_k_reads_only_inside_the_cache(pages, lengths, first, decreasing,
 @child_only
 @HYP
 @given(pages=st.lists(bad_ids(3), min_size=4, max_size=4), ctx=st.lists(st.integers(0, 70), min_size=2, max_size=2),
-       layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 99))
-def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, seed):
+       layout=st.sampled_from(LAYOUTS), with_factor=st.booleans(), seed=st.integers(0, 99))
+def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, with_factor, seed):
     """Block-table entries outside [-3, 3) are -inf keys (negative ids in range wrap), contexts past the table:
-    logits as the reference gives them, nothing read or written outside the cache and the output."""
+    logits as the reference gives them, nothing read or written outside the cache and the output; the weights
+    given as two factors and a number, or as one tensor."""
     from nsa_inductor.lowering.paged_mqa_logits import reference
 
     page_size, preshuffle = layout
@@ -222,6 +223,8 @@ def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, seed):
     weights = torch.randn(2, 16, generator=gen)
     max_len = 2 * page_size + 5
     args = (q, cache.view, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, page_size, preshuffle)
+    if with_factor:
+        args += (torch.rand(2, 16, generator=gen), 0.0884)
     out = Guarded((2, max_len), torch.float32, gen)
     got = _kernels("paged_mqa_logits").paged_mqa_logits(*args, out=out.view, config=_kernels(
         "paged_mqa_logits").PagedConfig(chunk=32, block_n=16))

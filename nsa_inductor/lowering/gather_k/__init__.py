@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ...capability import capability
+from ...index_contract import check_cu_seqlens, check_pages, eager_call
 from ...layout import HEAD_DIM
-from .._index_checks import check_cu_seqlens, check_pages, eager_call
 from .._common import (check, check_devices, check_fp8, check_layout, contiguous, describe, implementation,
                       once_per_signature)
 

@@ -9,19 +9,23 @@ from __future__ import annotations
 import torch
 
 from ...capability import capability
+from ...index_contract import check_pages, eager_call
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
-from .._index_checks import check_pages, eager_call
 from .._common import (check, check_devices, check_layout, contiguous, describe, implementation,
                       once_per_signature)
 
 
 @once_per_signature
-def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle) -> None:
+def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
+              weights_factor) -> None:
     check("q_fp8", q_fp8, (None, None, None, HEAD_DIM), FP8_DTYPES, "[B, next_n, H, 128]")
     batch, next_n, heads, _ = q_fp8.shape
     check("weights", weights, (batch * next_n, heads), (torch.float32,),
           f"[B*next_n={batch * next_n}, H={heads}] (B, next_n, H of q_fp8)")
+    if weights_factor is not None:
+        check("weights_factor", weights_factor, (batch * next_n, heads), (torch.float32,),
+              f"[B*next_n={batch * next_n}, H={heads}] (as weights)")
     check("context_lens", context_lens, (batch,), (torch.int32,), f"[B={batch}] (B of q_fp8)")
     check("block_table", block_table, (batch, None), (torch.int32,), f"[B={batch}, max_pages] (B of q_fp8)")
     if block_table.shape[1] < 1:
@@ -29,7 +33,8 @@ def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_si
     if max_len < 0:
         raise ValueError(f"max_len must be >= 0, got {max_len}")
     check_layout(cache, page_size, preshuffle)
-    check_devices(q_fp8=q_fp8, cache=cache, weights=weights, context_lens=context_lens, block_table=block_table)
+    check_devices(q_fp8=q_fp8, cache=cache, weights=weights, context_lens=context_lens, block_table=block_table,
+                  **({} if weights_factor is None else {"weights_factor": weights_factor}))
 
 
 @torch.library.custom_op("nsa::paged_mqa_logits", mutates_args=())
@@ -42,20 +47,28 @@ def paged_mqa_logits(
     max_len: int,
     page_size: int,
     preshuffle: bool,
+    weights_factor: torch.Tensor | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked)."""
-    _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked).
+
+    The head weights are ``weights * weights_factor * weight_scale`` (fp32, in that order) when those are given: the
+    kernel multiplies them itself, so the model's ``gates * q_scale * c`` needs no kernel of its own."""
+    _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     if capability().index_checks:
         check_pages(eager_call, block_table, context_lens, cache.shape[0], block_table.shape[1], page_size,
                     "context_lens", block_table.device)
-    q_fp8, weights, context_lens, block_table = contiguous(q_fp8, weights, context_lens, block_table)
-    args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+    q_fp8, weights, weights_factor, context_lens, block_table = contiguous(q_fp8, weights, weights_factor,
+                                                                            context_lens, block_table)
+    args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor,
+            weight_scale)
     run = implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype, page_size=page_size, preshuffle=preshuffle,
                          heads=q_fp8.shape[2])
     return run(*args)
 
 
 @paged_mqa_logits.register_fake
-def _(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle):
-    _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle)
+def _(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor=None,
+      weight_scale=1.0):
+    _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], max_len), dtype=torch.float32)

@@ -14,6 +14,7 @@ import functools
 import torch
 
 from .._aiter_common import import_first, kv_cache
+from .._common import head_weights
 
 
 @functools.cache
@@ -22,8 +23,11 @@ def _paged_logits_fn():
     return module.deepgemm_fp8_paged_mqa_logits
 
 
-def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle):
-    """aiter writes only the chunks it visits; every column a row may not see is then set to -inf."""
+def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
+                     weights_factor=None, weight_scale=1.0):
+    """aiter writes only the chunks it visits; every column a row may not see is then set to -inf. aiter takes one
+    weights tensor: factors are multiplied first."""
+    weights = head_weights(weights, weights_factor, weight_scale)
     batch, next_n = q_fp8.shape[:2]
     out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
     _paged_logits_fn()(

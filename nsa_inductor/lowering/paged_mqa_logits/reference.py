@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from ...layout import HEAD_DIM, KCacheLayout
-from .._common import MAX_SCORE_ELEMENTS, slots_of
+from .._common import MAX_SCORE_ELEMENTS, head_weights, slots_of
 
 
-def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle
-                     ) -> torch.Tensor:
+def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
+                     weights_factor=None, weight_scale=1.0) -> torch.Tensor:
     """Decode logits ``[B*next_n, max_len]``: row ``b*next_n+j`` sees keys ``s <= ctx_b - next_n + j``, else -inf.
 
     Only the block table's reach (``max_pages * page_size`` columns) can hold keys (contexts fit their table, DESIGN
@@ -18,6 +18,7 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
     Keys on an unreadable page (docs/indices.md) are -inf.
     """
     batch, next_n, heads, _ = q_fp8.shape
+    weights = head_weights(weights, weights_factor, weight_scale)
     layout = KCacheLayout(page_size, preshuffle)
     reach = min(max_len, block_table.shape[1] * page_size)
     out = torch.full((batch * next_n, max_len), float("-inf"), dtype=torch.float32, device=q_fp8.device)

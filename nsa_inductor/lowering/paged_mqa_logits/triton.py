@@ -47,6 +47,8 @@ def _paged_mqa_logits_kernel(
     values_ptr,
     scales_ptr,
     w_ptr,
+    w_factor_ptr,
+    w_scale,
     ctx_ptr,
     bt_ptr,
     out_ptr,
@@ -58,6 +60,7 @@ def _paged_mqa_logits_kernel(
     num_pages,
     PAGE_SIZE: tl.constexpr,
     PRESHUFFLE: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     NEXT_N: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -90,6 +93,9 @@ def _paged_mqa_logits_kernel(
         q_rows = (b * next_n + j) * heads + h
         q = tl.load(q_ptr + q_rows[:, None].to(tl.int64) * 128 + d[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptr + q_rows, mask=m_ok, other=0.0)
+        if HAS_FACTOR:  # the head weights as the model computes them, e.g. gates * q_scale * c
+            w = w * tl.load(w_factor_ptr + q_rows, mask=m_ok, other=0.0)
+        w = w * w_scale
         limit = ctx - next_n + jj
         visible_end = tl.minimum(start + CHUNK, ctx)
         for n0 in tl.range(start, visible_end, BLOCK_N):
@@ -117,8 +123,8 @@ def _paged_mqa_logits_kernel(
                      mask=(s[:, None] < max_len) & row_ok[None, :])
 
 
-def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, out=None,
-                     config: PagedConfig | None = None):
+def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
+                     weights_factor=None, weight_scale=1.0, out=None, config: PagedConfig | None = None):
     """Decode logits ``[B*next_n, max_len]`` fp32, every element written (-inf where masked)."""
     batch, next_n, heads, _ = q_fp8.shape
     cfg = config or _default_paged_config(batch, max_len)
@@ -131,6 +137,8 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         cache.view(q_fp8.dtype),
         cache.view(torch.float32),
         weights,
+        weights if weights_factor is None else weights_factor,
+        weight_scale,
         context_lens,
         block_table,
         out,
@@ -142,6 +150,7 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         cache.shape[0],
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
+        HAS_FACTOR=weights_factor is not None,
         NEXT_N=next_power_of_2(next_n),
         HEADS_PAD=max(16, next_power_of_2(heads)),
         CHUNK=cfg.chunk,

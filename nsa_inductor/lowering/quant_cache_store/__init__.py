@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ...capability import capability
+from ...index_contract import check_slots, eager_call
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
-from .._index_checks import check_slots, eager_call
 from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rotation, contiguous,
                       implementation, once_per_signature, register_version_bump)
 

@@ -5,6 +5,7 @@ reported by both. The layout is the guard's format with the K cache's own page s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from ...capability import LayoutDecision, cache_layout
 from ...layout import KCacheLayout
 from ..base import GraphPass, NearMiss, PassContext
 from ..fx_utils import insert_call, reshape, val
-from .proofs import Match, analyze, cache_values, candidates
+from .proofs import Match, analyze, cache_values, candidates, weight_leaves
 
 
 def graph_cache_layout(leaves: set[torch.fx.Node], decision: LayoutDecision) -> KCacheLayout:
@@ -67,3 +68,18 @@ class MqaLogitsPass(GraphPass):
         if m.weight_scale == 1.0:
             return weights
         return insert_call(graph, torch.ops.aten.mul.Tensor, (weights, m.weight_scale))
+
+    @staticmethod
+    def head_weight_factors(graph: torch.fx.Graph, m: Match) -> tuple[torch.fx.Node, torch.fx.Node | None, float]:
+        """``(weights, second factor or None, number)`` whose product is the weights, for an op that multiplies them
+        itself (no kernel of their own): each proven factor split into the leaves of its own mul tree
+        (:func:`weight_leaves`); a third tensor factor and more are multiplied here."""
+        leaves, scale = [], m.weight_scale
+        for factor in m.weights:
+            tensors, numbers = weight_leaves(factor)
+            leaves += tensors
+            scale *= math.prod(numbers, start=1.0)
+        first, *rest = [reshape(graph, leaf, [-1, m.heads]) for leaf in leaves]
+        for extra in rest[1:]:
+            first = insert_call(graph, torch.ops.aten.mul.Tensor, (first, extra))
+        return first, rest[0] if rest else None, scale

@@ -9,8 +9,10 @@ or through page views), once :func:`~.proofs.analyze` proves it by probing::
     # or the mask s < row_lens[row]: per-row lengths an engine precomputed, a graph input [B * next_n]
 
 Rewrites to ``nsa.paged_mqa_logits(q8 [B, next_n, H, 128], cache, w [B*next_n, H], context_lens, block_table,
-max_len, P, preshuffle)`` reshaped to the shape the consumers expected; with per-row lengths, one row per query
-token: ``q8 [B*next_n, 1, H, 128]``, ``context_lens = row_lens``, the block table's rows repeated ``next_n`` times.
+max_len, P, preshuffle[, w2, c])`` reshaped to the shape the consumers expected, ``w * w2 * c`` being the weights
+as the model computes them (e.g. ``gates * q_scale * softmax_scale``, multiplied in the kernel); with per-row
+lengths, one row per query token: ``q8 [B*next_n, 1, H, 128]``, ``context_lens = row_lens``, the block table's rows
+repeated ``next_n`` times.
 Never: a mask, layout, head axis or weight indexing that is not proven (reported as a near miss).
 """
 
@@ -58,13 +60,14 @@ class PagedMqaLogits(MqaLogitsPass):
                 bt = reshape(graph, per_row, [rows, pages])
                 q = reshape(graph, m.q, [rows, 1, heads, HEAD_DIM])
                 known.append((val(lens).shape[0], rows))
-            weights = self.head_weights(graph, m)
+            weights, weights_factor, weight_scale = self.head_weight_factors(graph, m)
+            factors = () if weights_factor is None and weight_scale == 1.0 else (weights_factor, weight_scale)
             cache = m.cache
             if val(cache).dim() != 2 or val(cache).shape[-1] != layout.page_bytes:
                 cache = reshape(graph, cache, [-1, layout.page_bytes])
             out = insert_call(
                 graph, torch.ops.nsa.paged_mqa_logits.default,
                 (q, cache, weights, as_dtype(graph, lens, torch.int32), as_dtype(graph, bt, torch.int32), max_len,
-                 layout.page_size, layout.preshuffle),
+                 layout.page_size, layout.preshuffle, *factors),
             )
             replace(graph, m.where, out, known=(*known, (val(m.where).shape[-1], max_len)))

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...layout import HEAD_DIM, KCacheLayout
 from ...quant import FP8_DTYPES
 from ..base import NearMiss
-from ..fx_utils import arg, is_op, val, view_chain
+from ..fx_utils import VIEW_OPS, arg, is_op, same_shape, val, view_chain
 from .probe import INT_DTYPES, RESHAPES, Prober, Probes, bmap, follow, linear, shape_of, unravel
 
 aten = torch.ops.aten
@@ -380,6 +380,28 @@ def prove_weights(s: Samples, weights: list[tuple], head: torch.Tensor) -> list[
             raise NearMiss("weights are not applied per (row, head)")
         leaves.append(w_leaf)
     return leaves
+
+
+def weight_leaves(node: torch.fx.Node) -> tuple[list[torch.fx.Node], list[float]]:
+    """A weight factor as tensors and numbers whose product it is: through reshapes (which keep the elements'
+    order), a ``mul`` whose tensor operands have its own shape is split (``gates * q_scale * c``); anything else,
+    e.g. a broadcast operand, stays one leaf. Every leaf holds the weights' elements in the same order."""
+    root = view_chain(node, VIEW_OPS)[0]
+    if not is_op(root, aten.mul.Tensor) or val(root).dtype != torch.float32:
+        return [node], []
+    tensors, numbers = [], []
+    for a in root.args[:2]:
+        if isinstance(a, torch.fx.Node):
+            if not same_shape(a, root) or val(a).dtype != torch.float32:
+                return [node], []
+            t, n = weight_leaves(a)
+            tensors += t
+            numbers += n
+        elif isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a):
+            numbers.append(a)
+        else:
+            return [node], []
+    return tensors, numbers
 
 
 def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], dot: DotProof, scale: tuple,

@@ -1,6 +1,7 @@
 """The index contract's checks (docs/indices.md), defined once for the two places they run: the ``index_checks``
 pass inserts them into a compiled graph (``nsa.checks``), and the ops run them on every call when
 ``NSA_INDUCTOR_CHECKS`` is set (``capability().index_checks``), for engines that call ``torch.ops.nsa`` directly.
+Plain aten, so the passes may import it (they never import the kernel layer).
 
 Each check is built from aten calls through ``call(op, args, kwargs=None)``: eagerly that runs them, in the pass it
 inserts graph nodes. Each ends in ``torch._assert_async`` (a device-side assert on a GPU, no host synchronisation;
