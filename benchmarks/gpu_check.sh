@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode]
 # topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
 # torch's order and set order, B=1 ctx 32768).
 # rotate: GPU tests, the fused Hadamard rotation's kernels against eager/cuBLAS, its numerics against eager
@@ -10,6 +10,8 @@
 # script started, the rest are listed as not run; SWEEP_CELLS picks cells (e.g. "B1,prefill"), SWEEP_ARGS adds
 # options, SWEEP_PREVIOUS=path/sweep.json (a file in the working tree) is appended to. Results: $OUT/sweep/.
 # host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`).
+# decode: GPU tests, the top-k and paged-logits cells, CUDA-graph decode steps with every input at a fixed address
+# (as engines run them: no input copies) at B=64 ctx 8192 (eager, Inductor, nsa_rocm), B=8 and B=1 ctx 32768.
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -58,6 +60,14 @@ case "$mode" in
          summary+=("sweep: full table $OUT/sweep/sweep.md, plot $OUT/sweep/sweep.png, log $OUT/sweep.log")
          [ -f "$OUT/sweep/sweep.md" ] && sed -n '/^| variant | entry/,/^$/p' "$OUT/sweep/sweep.md" ;;
   host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3 ;;
+  decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \
+            | tee "$OUT/bench.log" | tail -n 5
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --out "$OUT/e2e_b64" 2>&1 \
+            | tee "$OUT/e2e_b64.log" | tail -n 6
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --batch 8 \
+            --variants inductor,nsa_rocm --out "$OUT/e2e_b8" 2>&1 | tee "$OUT/e2e_b8.log" | tail -n 4
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --batch 1 --ctx 32768 \
+            --variants inductor,nsa_rocm --out "$OUT/e2e_b1" 2>&1 | tee "$OUT/e2e_b1.log" | tail -n 4 ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \

@@ -207,6 +207,47 @@ def test_dynamic_rows_take_the_last_split_row():
         assert re.search(rf"nsa\.wk_gate_gemm\.default\(\w+, \w+, \w+, {splits[0]}, {splits[1]}, False\)", after), after
 
 
+class PaddedKAndGate(KAndGate):
+    """``KAndGate`` with the K projection as Inductor's ``pad_mm`` leaves it on GPUs: x's rows padded with ``pad``
+    zero rows (or, with ``columns``, its K columns and the weight's), the product sliced back."""
+
+    pad, columns = 2, False
+
+    def forward(self, x, cache, slots, q_scale):
+        if self.columns:
+            k = torch.mm(F.pad(x, (0, self.pad)), F.pad(self.wk.weight, (0, self.pad)).t())
+        else:
+            k = torch.mm(F.pad(x, (0, 0, 0, self.pad)), self.wk.weight.t())[: x.shape[0]]
+        cache[slots] = self.norm(k.float()).to(torch.bfloat16).view(torch.uint8)
+        return to_logits(F.linear(x.float(), self.gate.weight) * q_scale)
+
+
+@pytest.mark.parametrize("tokens, columns", [(6, False), (1, False), (6, True)])
+def test_sees_through_pad_mm_row_padding(tokens, columns):
+    """Rows padded for the GEMM (what ``pad_mm`` does to a 6-token decode on the H200): the fused op reads x itself
+    and the slice back to x's rows goes; padded K columns change the product's operands: a near miss."""
+    torch.manual_seed(0)
+    module = type("M", (PaddedKAndGate,), {"columns": columns})()
+    compiled_fn, dump_dir = compile_with_dumps(module, {}, dynamic=False)
+    gen = torch.Generator().manual_seed(tokens)
+    x, q_scale = torch.randn(tokens, K, generator=gen).bfloat16(), torch.rand(tokens, GATES, generator=gen)
+    cache, slots = torch.zeros(16, 2 * D, dtype=torch.uint8), torch.randperm(16, generator=gen)[:tokens]
+    eager_cache, comp_cache = cache.clone(), cache.clone()
+    with torch.no_grad():
+        expected, actual = module(x, eager_cache, slots, q_scale), compiled_fn(x, comp_cache, slots, q_scale)
+    assert float((actual - expected).double().norm() / expected.double().norm()) <= 1e-3  # DESIGN §4
+    k, k_c = eager_cache.view(torch.bfloat16).float(), comp_cache.view(torch.bfloat16).float()
+    torch.testing.assert_close(k_c, k, rtol=2**-7, atol=2**-7)
+    (graph_dir,) = graph_dirs(dump_dir)
+    report = pass_entry(graph_dir, "wk_gate_gemm")
+    _, after = pass_graphs(graph_dir, "wk_gate_gemm")
+    if columns:
+        assert report["matched"] == 0 and "no K projection to share the launch" in report["near_misses"][0]["reason"]
+    else:
+        assert report["matched"] == 1, report
+        assert count_ops(after, "aten.constant_pad_nd") == 0 and gemms(after) == 0
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-s"]))
 
