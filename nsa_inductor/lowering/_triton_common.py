@@ -147,7 +147,8 @@ def quantize_constants(fp8_dtype: torch.dtype, fmax: float, scale_fmt: str) -> d
     finfo and numpy cost microseconds per call; callers unpack the dict, never change it)."""
     return {"FMAX": fmax, "INV_FMAX": float(np.float32(1.0) / np.float32(fmax)), "UE8M0": scale_fmt == "ue8m0",
             "MIN_EXP": 1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
-            "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn, "NAN_CODE": 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80}
+            "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn,
+            "NAN_CODE": 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80}  # e4m3fn: 0x7F; fnuz: its only NaN
 
 
 @triton.jit

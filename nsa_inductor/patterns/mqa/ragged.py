@@ -45,7 +45,8 @@ class RaggedMqaLogits(MqaLogitsPass):
             q = reshape(graph, m.q, [-1, heads, HEAD_DIM])
             weights = self.head_weights(graph, m)
             if m.cached_prefill:
-                k8, k_scale = self._gather(graph, m, layout, size_arg(graph, where_shape[1], [m.q, *m.weights, *inputs]))
+                num_keys = size_arg(graph, where_shape[1], [m.q, *m.weights, *inputs])
+                k8, k_scale = self._gather(graph, m, layout, num_keys)
             else:  # the model's own gather stays
                 k8, k_scale = reshape(graph, m.k_plain[0], [-1, HEAD_DIM]), reshape(graph, m.k_plain[1], [-1])
             if m.bounds is not None:
