@@ -200,7 +200,13 @@ def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | 
 
 
 def head_weights(weights: torch.Tensor, factor: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """``weights * factor * scale`` in fp32 and that order, as the logits kernels multiply them."""
+    """``weights * factor * scale`` in fp32 and that order, as the logits kernels multiply them; 3-D ``weights``
+    are split-K partials ``[S, rows, H]``, summed first, left to right."""
+    if weights.dim() == 3:
+        total = weights[0]
+        for s in range(1, weights.shape[0]):
+            total = total + weights[s]
+        weights = total
     if factor is not None:
         weights = weights * factor
     return weights * scale if scale != 1.0 else weights

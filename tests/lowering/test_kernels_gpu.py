@@ -473,8 +473,8 @@ def test_gather_k_and_paged_logits_read_only_inside_the_cache(layout):
     weights = torch.randn(batch, 32, generator=gen).to(DEV)
     max_len = max_pages * page_size + 40
     out = Guarded((batch, max_len), torch.float32, gen, device=DEV)
-    args = (q, cache.view, weights, ctx, table, max_len, page_size, preshuffle,
-            torch.rand(batch, 32, generator=gen).to(DEV), 0.0884)  # the weights as two factors and a number
+    args = (q, cache.view, torch.randn(4, batch, 32, generator=gen).to(DEV), ctx, table, max_len, page_size,
+            preshuffle, weights, 0.0884)  # the weights as split-K partials, a factor and a number
     got = _tk("paged_mqa_logits").paged_mqa_logits(*args, out=out.view)
     assert_logits_close(got, paged_ref.paged_mqa_logits(*args), rtol=1e-3)
 

@@ -176,8 +176,10 @@ def test_paged_mqa_logits_matches_float64(layout, heads, next_n, ctx, extra_len,
     assert got.shape == (batch * next_n, max_len) and got.dtype == torch.float32
     assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
     factor = torch.rand(batch * next_n, heads, generator=gen)
-    factored = torch.ops.nsa.paged_mqa_logits(*args, factor, 0.25)  # the weights as w * factor * 0.25
-    assert_logits_close(factored, paged_logits64(q, cache, weights * factor * 0.25, *args[3:]), rtol=1e-5)
+    parts = torch.randn(3, batch * next_n, heads, generator=gen)  # split-K partials of the weights
+    factored = torch.ops.nsa.paged_mqa_logits(q, cache, parts, *args[3:], factor, 0.25)  # (p0 + p1 + p2) * f * 0.25
+    want = paged_logits64(q, cache, (parts[0] + parts[1] + parts[2]) * factor * 0.25, *args[3:])
+    assert_logits_close(factored, want, rtol=1e-5)
 
 
 @HYP
@@ -427,6 +429,8 @@ def _replace(args: tuple, index: int, value) -> tuple:
          r"weights must be float32 \[B\*next_n=4, H=32\] \(B, next_n, H of q_fp8\), got .*\[2, 32\]"),
         ("paged_mqa_logits", 8, torch.zeros(4, 31), r"weights_factor must be float32 \[B\*next_n=4, H=32\] \(as "
                                                    r"weights\), got float32 \[4, 31\]"),
+        ("paged_mqa_logits", 2, torch.zeros(2, 3, 32),
+         r"weights must be float32 \[S, B\*next_n=4, H=32\] \(split-K partials; B, next_n, H of q_fp8\)"),
         ("paged_mqa_logits", 3, torch.zeros(2, dtype=torch.int64),
          r"context_lens must be int32 \[B=2\] \(B of q_fp8\), got int64"),
         ("paged_mqa_logits", 4, torch.zeros(3, 2, dtype=torch.int32), r"block_table must be int32 \[B=2, max_pages\]"),

@@ -223,8 +223,8 @@ def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, with_f
     weights = torch.randn(2, 16, generator=gen)
     max_len = 2 * page_size + 5
     args = (q, cache.view, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, page_size, preshuffle)
-    if with_factor:
-        args += (torch.rand(2, 16, generator=gen), 0.0884)
+    if with_factor:  # the weights as the model computes them: split-K partials, q's scale, a number
+        args = (*args[:2], torch.randn(3, 2, 16, generator=gen), *args[3:], torch.rand(2, 16, generator=gen), 0.0884)
     out = Guarded((2, max_len), torch.float32, gen)
     got = _kernels("paged_mqa_logits").paged_mqa_logits(*args, out=out.view, config=_kernels(
         "paged_mqa_logits").PagedConfig(chunk=32, block_n=16))

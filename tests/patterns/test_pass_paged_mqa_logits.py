@@ -4,6 +4,7 @@ over the wrong axis), and the compiled program equals eager."""
 
 import functools
 import pathlib
+import re
 import tempfile
 
 import pytest
@@ -192,5 +193,9 @@ def test_folds_number_factors_outside_the_relu():
     assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, [5, 33, 17], max_len=48, seed=2))
     assert_fired(dump_dir)
     (graph_dir,) = graph_dirs(dump_dir)
-    # the op's weight_scale: these numbers times the weights' own H**-0.5 * D**-0.5 (H = 16, D = 128)
-    assert "False, reshape_default_4, 0.00048828125" in pass_graphs(graph_dir, NAME)[1]
+    # the op's weights: the head gate's split-K partials [S, rows, 16], then q's scale and these numbers times the
+    # weights' own H**-0.5 * D**-0.5 (H = 16, D = 128): no kernel computes the weights before the op
+    after = pass_graphs(graph_dir, NAME)[1]
+    call = re.search(r"nsa\.paged_mqa_logits\.default\((\w+), (\w+), (\w+), .*, (\w+), ([0-9.e-]+)\)", after)
+    assert re.search(rf"{call[3]} = torch\.ops\.aten\.reshape\.default\(getitem_\d+, \[\d, -1, 16\]\)", after)
+    assert float(call[5]) == pytest.approx(0.00048828125, rel=1e-12)

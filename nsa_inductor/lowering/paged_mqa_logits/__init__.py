@@ -21,8 +21,12 @@ def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_si
               weights_factor) -> None:
     check("q_fp8", q_fp8, (None, None, None, HEAD_DIM), FP8_DTYPES, "[B, next_n, H, 128]")
     batch, next_n, heads, _ = q_fp8.shape
-    check("weights", weights, (batch * next_n, heads), (torch.float32,),
-          f"[B*next_n={batch * next_n}, H={heads}] (B, next_n, H of q_fp8)")
+    if weights.dim() == 3:
+        check("weights", weights, (None, batch * next_n, heads), (torch.float32,),
+              f"[S, B*next_n={batch * next_n}, H={heads}] (split-K partials; B, next_n, H of q_fp8)")
+    else:
+        check("weights", weights, (batch * next_n, heads), (torch.float32,),
+              f"[B*next_n={batch * next_n}, H={heads}] (B, next_n, H of q_fp8)")
     if weights_factor is not None:
         check("weights_factor", weights_factor, (batch * next_n, heads), (torch.float32,),
               f"[B*next_n={batch * next_n}, H={heads}] (as weights)")
@@ -52,8 +56,9 @@ def paged_mqa_logits(
 ) -> torch.Tensor:
     """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked).
 
-    The head weights are ``weights * weights_factor * weight_scale`` (fp32, in that order) when those are given: the
-    kernel multiplies them itself, so the model's ``gates * q_scale * c`` needs no kernel of its own."""
+    The head weights are ``weights * weights_factor * weight_scale`` (fp32, in that order) when those are given, and
+    ``weights`` may be split-K partials ``[S, B*next_n, H]`` (summed first, left to right): the kernel computes them
+    itself, so the model's ``(p[0] + p[1] + ...) * q_scale * c`` needs no kernel of its own."""
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     if capability().index_checks:
         check_pages(eager_call, block_table, context_lens, cache.shape[0], block_table.shape[1], page_size,

@@ -61,6 +61,7 @@ def _paged_mqa_logits_kernel(
     PAGE_SIZE: tl.constexpr,
     PRESHUFFLE: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
+    W_SPLITS: tl.constexpr,
     NEXT_N: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -93,6 +94,8 @@ def _paged_mqa_logits_kernel(
         q_rows = (b * next_n + j) * heads + h
         q = tl.load(q_ptr + q_rows[:, None].to(tl.int64) * 128 + d[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptr + q_rows, mask=m_ok, other=0.0)
+        for split in tl.static_range(1, W_SPLITS):  # split-K partials of the weights, added left to right
+            w += tl.load(w_ptr + split * (tl.num_programs(0) * next_n * heads) + q_rows, mask=m_ok, other=0.0)
         if HAS_FACTOR:  # the head weights as the model computes them, e.g. gates * q_scale * c
             w = w * tl.load(w_factor_ptr + q_rows, mask=m_ok, other=0.0)
         w = w * w_scale
@@ -151,6 +154,7 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         PAGE_SIZE=page_size,
         PRESHUFFLE=preshuffle,
         HAS_FACTOR=weights_factor is not None,
+        W_SPLITS=weights.shape[0] if weights.dim() == 3 else 1,
         NEXT_N=next_power_of_2(next_n),
         HEADS_PAD=max(16, next_power_of_2(heads)),
         CHUNK=cfg.chunk,

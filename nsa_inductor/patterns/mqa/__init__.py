@@ -14,8 +14,8 @@ import torch.fx
 from ...capability import LayoutDecision, cache_layout
 from ...layout import KCacheLayout
 from ..base import GraphPass, NearMiss, PassContext
-from ..fx_utils import insert_call, reshape, val
-from .proofs import Match, analyze, cache_values, candidates, weight_leaves
+from ..fx_utils import insert_call, reshape, tensor_val, val
+from .proofs import Match, analyze, cache_values, candidates, summed_partials, weight_leaves
 
 
 def graph_cache_layout(leaves: set[torch.fx.Node], decision: LayoutDecision) -> KCacheLayout:
@@ -71,15 +71,22 @@ class MqaLogitsPass(GraphPass):
 
     @staticmethod
     def head_weight_factors(graph: torch.fx.Graph, m: Match) -> tuple[torch.fx.Node, torch.fx.Node | None, float]:
-        """``(weights, second factor or None, number)`` whose product is the weights, for an op that multiplies them
+        """``(weights, second factor or None, number)`` whose product is the weights, for an op that computes them
         itself (no kernel of their own): each proven factor split into the leaves of its own mul tree
-        (:func:`weight_leaves`); a third tensor factor and more are multiplied here."""
+        (:func:`weight_leaves`); one leaf that is a sum of split-K partials (the head gate's) goes first, as the
+        partials ``[S, rows, H]``; a third tensor factor and more are multiplied here."""
         leaves, scale = [], m.weight_scale
         for factor in m.weights:
             tensors, numbers = weight_leaves(factor)
             leaves += tensors
             scale *= math.prod(numbers, start=1.0)
-        first, *rest = [reshape(graph, leaf, [-1, m.heads]) for leaf in leaves]
+        sums = [summed_partials(leaf) for leaf in leaves]
+        if any(p is not None for p in sums):
+            i = next(i for i, p in enumerate(sums) if p is not None)
+            first = reshape(graph, sums[i], [tensor_val(sums[i]).shape[0], -1, m.heads])
+            rest = [reshape(graph, leaf, [-1, m.heads]) for leaf in leaves[:i] + leaves[i + 1:]]
+        else:
+            first, *rest = [reshape(graph, leaf, [-1, m.heads]) for leaf in leaves]
         for extra in rest[1:]:
-            first = insert_call(graph, torch.ops.aten.mul.Tensor, (first, extra))
+            rest[0] = insert_call(graph, torch.ops.aten.mul.Tensor, (rest[0], extra))
         return first, rest[0] if rest else None, scale

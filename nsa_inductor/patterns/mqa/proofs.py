@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...layout import HEAD_DIM, KCacheLayout
 from ...quant import FP8_DTYPES
 from ..base import NearMiss
-from ..fx_utils import VIEW_OPS, arg, is_op, same_shape, val, view_chain
+from ..fx_utils import VIEW_OPS, arg, as_int, is_op, same_shape, tensor_val, val, view_chain
 from .probe import INT_DTYPES, RESHAPES, Prober, Probes, bmap, follow, linear, shape_of, unravel
 
 aten = torch.ops.aten
@@ -402,6 +402,26 @@ def weight_leaves(node: torch.fx.Node) -> tuple[list[torch.fx.Node], list[float]
         else:
             return [node], []
     return tensors, numbers
+
+
+def summed_partials(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``P`` where ``node`` is ``P[0] + P[1] + ... + P[S-1]`` added left to right (how ``head_gate_gemm`` sums its
+    split-K partials ``P [S, M, N]``), else None."""
+    node = view_chain(node, VIEW_OPS)[0]
+    picked = []
+    while is_op(node, aten.add.Tensor) and len(node.args) == 2 and is_op(node.args[1], aten.select.int):
+        picked.append(node.args[1])
+        node = node.args[0]
+    picked.append(node)
+    picked.reverse()
+    if len(picked) < 2 or not all(is_op(p, aten.select.int) and p.args[1] == 0 for p in picked):
+        return None
+    partials = picked[0].args[0]
+    shape = tensor_val(partials).shape if tensor_val(partials) is not None else ()
+    if len(shape) != 3 or as_int(shape[0]) != len(picked) or tensor_val(partials).dtype != torch.float32 \
+            or any(p.args[0] is not partials or p.args[2] != i for i, p in enumerate(picked)):
+        return None
+    return partials
 
 
 def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], dot: DotProof, scale: tuple,
