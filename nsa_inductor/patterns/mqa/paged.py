@@ -10,9 +10,9 @@ or through page views), once :func:`~.proofs.analyze` proves it by probing::
 
 Rewrites to ``nsa.paged_mqa_logits(q8 [B, next_n, H, 128], cache, w [B*next_n, H], context_lens, block_table,
 max_len, P, preshuffle[, w2, c])`` reshaped to the shape the consumers expected, ``w * w2 * c`` being the weights
-as the model computes them (e.g. ``gates * q_scale * softmax_scale``, multiplied in the kernel); with per-row
-lengths, one row per query token: ``q8 [B*next_n, 1, H, 128]``, ``context_lens = row_lens``, the block table's rows
-repeated ``next_n`` times.
+as the model computes them (e.g. ``gates * q_scale * softmax_scale``, computed in the kernel; ``w`` may be the head
+gate's split-K partials ``[S, rows, H]``); with per-row lengths, one row per query token: ``q8 [B*next_n, 1, H,
+128]``, ``context_lens = row_lens``, the block table's rows repeated ``next_n`` times.
 Never: a mask, layout, head axis or weight indexing that is not proven (reported as a near miss).
 """
 
