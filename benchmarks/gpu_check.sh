@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode|engine]
 # topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
 # torch's order and set order, B=1 ctx 32768).
 # rotate: GPU tests, the fused Hadamard rotation's kernels against eager/cuBLAS, its numerics against eager
@@ -12,6 +12,7 @@
 # host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`).
 # decode: GPU tests, the top-k and paged-logits cells, CUDA-graph decode steps with every input at a fixed address
 # (as engines run them: no input copies) at B=64 ctx 8192 (eager, Inductor, nsa_rocm), B=8 and B=1 ctx 32768.
+# engine: the engine-fed indexer (metadata as inputs): prefill T=8192 and a CUDA-graph decode, eager vs nsa_rocm.
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -33,7 +34,8 @@ if [ "$mode" = "numerics" ] || [ "$mode" = "rotate" ]; then
   python3 benchmarks/rotation_numerics.py --device cuda 2>&1 | tee "$OUT/rotation_numerics.log" | grep -v '^$'
 fi
 
-if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ] && [ "$mode" != "sweep" ] && [ "$mode" != "host" ]; then
+if [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ] && [ "$mode" != "sweep" ] && [ "$mode" != "host" ] \
+    && [ "$mode" != "engine" ]; then
   python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -59,6 +61,10 @@ case "$mode" in
            | grep -E '^(decode|prefill) ' | tail -n 12
          summary+=("sweep: full table $OUT/sweep/sweep.md, plot $OUT/sweep/sweep.png, log $OUT/sweep.log")
          [ -f "$OUT/sweep/sweep.md" ] && sed -n '/^| variant | entry/,/^$/p' "$OUT/sweep/sweep.md" ;;
+  engine) python3 benchmarks/end_to_end.py --engine --batch 0 --prefill 8192 --variants eager,nsa_rocm \
+            --out "$OUT/engine_prefill" 2>&1 | tee "$OUT/engine_prefill.log" | tail -n 5
+          python3 benchmarks/end_to_end.py --engine --prefill 0 --cuda-graphs --variants eager,nsa_rocm \
+            --out "$OUT/engine_decode" 2>&1 | tee "$OUT/engine_decode.log" | tail -n 5 ;;
   host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3 ;;
   decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \
             | tee "$OUT/bench.log" | tail -n 5
