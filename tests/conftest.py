@@ -30,3 +30,10 @@ def compile_settings():
         recompile_limit=256, accumulated_recompile_limit=1024
     ):
         yield
+
+
+@pytest.fixture(autouse=True)
+def seeded_rng():
+    """The global RNG seeded before each test: a test's unseeded draws do not depend on which tests ran before it in
+    its worker process (the suite runs in two)."""
+    torch.manual_seed(0)
