@@ -246,12 +246,16 @@ def test_the_rotation_epilogue_moves_into_the_op(fn, input_dtype):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def page_parts(cache):
+    """The 16-token pages' value bytes ``[pages, 16, 128]`` and fp32 scales ``[pages, 16]``, as views of ``cache``."""
+    pages = cache.view(-1, 16 * 132)
+    return pages[:, : 16 * 128].unflatten(1, (16, 128)), pages[:, 16 * 128 :].view(torch.float32)
+
+
 def scalar_slot_store(k, slot, cache):
     """One token through a 0-d slot mapping and a squeezed row: ``values.index_put_((page, pos), k_fp8[0])``."""
     k_fp8, k_scale = act_quant(k)
-    pages = cache.view(-1, 16 * 132)
-    values = pages[:, : 16 * 128].unflatten(1, (16, 128))
-    scales = pages[:, 16 * 128 :].view(torch.float32)
+    values, scales = page_parts(cache)
     values.index_put_((slot // 16, slot % 16), k_fp8[0].view(torch.uint8))
     scales.index_put_((slot // 16, slot % 16), k_scale[0, 0])
 
@@ -259,9 +263,7 @@ def scalar_slot_store(k, slot, cache):
 def expanded_row_store(k, slots, cache):
     """The row unsqueezed and expanded to the index shape: ``values[page, pos] = k_fp8.view(u8).unsqueeze(1)...``."""
     k_fp8, k_scale = act_quant(k)
-    pages = cache.view(-1, 16 * 132)
-    values = pages[:, : 16 * 128].unflatten(1, (16, 128))
-    scales = pages[:, 16 * 128 :].view(torch.float32)
+    values, scales = page_parts(cache)
     page, pos = slots // 16, slots % 16
     values[page[:, None], pos[:, None]] = k_fp8.view(torch.uint8).unsqueeze(1).expand(-1, 1, 128)
     scales[page, pos] = k_scale.squeeze(-1)
@@ -270,9 +272,7 @@ def expanded_row_store(k, slots, cache):
 def broadcast_row_store(k, slots, cache):
     """Near miss: the first token's row written at every slot (broadcast), not each token's own row."""
     k_fp8, k_scale = act_quant(k)
-    pages = cache.view(-1, 16 * 132)
-    values = pages[:, : 16 * 128].unflatten(1, (16, 128))
-    scales = pages[:, 16 * 128 :].view(torch.float32)
+    values, scales = page_parts(cache)
     page, pos = slots // 16, slots % 16
     values[page, pos] = k_fp8[:1].view(torch.uint8)
     scales[page, pos] = k_scale[:1, 0]
@@ -281,9 +281,7 @@ def broadcast_row_store(k, slots, cache):
 def byte_broadcast_store(k, slots, cache):
     """Near miss at one token: one byte of the quantized row broadcast over the 128 value bytes."""
     k_fp8, k_scale = act_quant(k)
-    pages = cache.view(-1, 16 * 132)
-    values = pages[:, : 16 * 128].unflatten(1, (16, 128))
-    scales = pages[:, 16 * 128 :].view(torch.float32)
+    values, scales = page_parts(cache)
     page, pos = slots // 16, slots % 16
     values[page, pos] = k_fp8.view(torch.uint8)[:, :1]
     scales[page, pos] = k_scale.squeeze(-1)
@@ -292,9 +290,7 @@ def byte_broadcast_store(k, slots, cache):
 def unsqueezed_index_store(k, slots, cache):
     """Fires: a [T, 1] index built from the 1-D slot mapping still writes one slot per token."""
     k_fp8, k_scale = act_quant(k)
-    pages = cache.view(-1, 16 * 132)
-    values = pages[:, : 16 * 128].unflatten(1, (16, 128))
-    scales = pages[:, 16 * 128 :].view(torch.float32)
+    values, scales = page_parts(cache)
     slots2d = slots[:, None]
     values[slots2d // 16, slots2d % 16] = k_fp8.view(torch.uint8)[:, None]
     scales[slots2d // 16, slots2d % 16] = k_scale
