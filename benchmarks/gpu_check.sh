@@ -11,7 +11,8 @@
 # options, SWEEP_PREVIOUS=path/sweep.json (a file in the working tree) is appended to. Results: $OUT/sweep/.
 # host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`).
 # decode: GPU tests, the top-k and paged-logits cells, CUDA-graph decode steps with every input at a fixed address
-# (as engines run them: no input copies) at B=64 ctx 8192 (eager, Inductor, nsa_rocm), B=8 and B=1 ctx 32768.
+# (as engines run them: no input copies) at B=64 ctx 8192 (eager, Inductor, nsa_rocm with and without nsa.checks), B=8
+# and B=1 ctx 32768; GPU time per kernel of the B=64 step (profile_decode.py).
 # engine: the engine-fed indexer (metadata as inputs): prefill T=8192 and a CUDA-graph decode, eager vs nsa_rocm.
 set -uo pipefail
 start=$(date +%s)
@@ -68,12 +69,14 @@ case "$mode" in
   host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3 ;;
   decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \
             | tee "$OUT/bench.log" | tail -n 5
-          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --out "$OUT/e2e_b64" 2>&1 \
+          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs \
+            --variants eager,inductor,nsa_checks,nsa_rocm --out "$OUT/e2e_b64" 2>&1 \
             | tee "$OUT/e2e_b64.log" | tail -n 6
           python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --batch 8 \
             --variants inductor,nsa_rocm --out "$OUT/e2e_b8" 2>&1 | tee "$OUT/e2e_b8.log" | tail -n 4
           python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --batch 1 --ctx 32768 \
-            --variants inductor,nsa_rocm --out "$OUT/e2e_b1" 2>&1 | tee "$OUT/e2e_b1.log" | tail -n 4 ;;
+            --variants inductor,nsa_rocm --out "$OUT/e2e_b1" 2>&1 | tee "$OUT/e2e_b1.log" | tail -n 4
+          python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/profile_decode.log" | tail -n 16 ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \
