@@ -74,8 +74,16 @@ def agreement(eager_out, eager_cache, out, cache) -> dict:
     }
 
 
-def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False) -> list[dict]:
+def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False, replay=False) -> list[dict]:
+    """One step of every variant in ``only``: its output against eager's, its time (``triton.testing.do_bench``, or
+    with ``replay`` replays of a CUDA graph that holds 10 steps) and its kernels."""
     import triton.testing
+
+    if replay:
+        import sys
+
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from timing import graph_us
 
     batch = make_batch()
     eager_batch = batch.clone()
@@ -104,12 +112,21 @@ def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False) -
         with torch.no_grad():
             out = step(*run_batch.args)
             checks = agreement(eager_out, eager_batch.kv_cache, out, run_batch.kv_cache)
-            ms = triton.testing.do_bench(lambda: step(*run_batch.args), warmup=50, rep=300, return_mode="median")
+            if replay:
+                try:
+                    us = graph_us(lambda: step(*run_batch.args), calls=10)
+                except RuntimeError as error:  # eager's step may not be capturable
+                    print(f"{name:8s} {variant:9s} not captured: {str(error).splitlines()[0]}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
+            else:
+                us = 1e3 * triton.testing.do_bench(lambda: step(*run_batch.args), warmup=50, rep=300,
+                                                   return_mode="median")
             kernel_names = cuda_kernels(step, run_batch.args)
             kernels = len(kernel_names)
-        rows.append({"step": name, "variant": variant, "us": ms * 1e3, "kernels": kernels,
+        rows.append({"step": name, "variant": variant, "us": us, "kernels": kernels,
                      "kernel_names": kernel_names, **checks})
-        print(f"{name:8s} {variant:9s} {ms * 1e3:10.1f} us  {kernels:4d} kernels  {checks}", flush=True)
+        print(f"{name:8s} {variant:9s} {us:10.1f} us  {kernels:4d} kernels  {checks}", flush=True)
     if "nsa_rocm" not in only:
         return rows
     reports = _reports_since(reports_before)
@@ -141,7 +158,8 @@ def engine_steps(args, config, reference, options, context_lens, mode, only) -> 
     rows = []
     if args.batch:
         rows += bench_step("decode", model.decode, lambda: engine_decode_batch(
-            config, layout.page_size, context_lens, 1, args.ctx, None, seed=0).to("cuda"), options, mode, only)
+            config, layout.page_size, context_lens, 1, args.ctx, None, seed=0).to("cuda"), options, mode, only,
+            replay=args.graph_replay)
     if args.prefill:
         rows += bench_step("prefill", model.prefill, lambda: engine_prefill_batch(
             config, layout.page_size, [args.prefill], 0, None, seed=0).to("cuda"), options, mode, only)
@@ -608,6 +626,9 @@ def main() -> None:
     parser.add_argument("--layout", choices=("flat", "paged", "preshuffle"), default=None)
     parser.add_argument("--cuda-graphs", action="store_true",
                         help='compile both variants with mode="reduce-overhead" (replays take the launch cost away)')
+    parser.add_argument("--graph-replay", action="store_true",
+                        help="time each compiled step (no reduce-overhead) as engines run it: 10 steps captured in "
+                             "one CUDA graph by hand, replayed (no Python, no input copies in the figure)")
     parser.add_argument("--static-inputs", action="store_true",
                         help="with --cuda-graphs: every input at a fixed address (an engine's persistent buffers), "
                              "so the graph copies none of them in")
@@ -655,6 +676,8 @@ def main() -> None:
     options = {"nsa.layout": layout.name, "nsa.page_size": layout.page_size,
                "nsa.head_gate_mode": "off" if args.no_head_gate else "split", "nsa.topk_order": args.topk_order}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
+    if args.cuda_graphs and args.graph_replay:
+        raise SystemExit("--cuda-graphs (torch.compile's own graphs) and --graph-replay (graphs by hand) exclude each other")
     mode = "reduce-overhead" if args.cuda_graphs else None
     only = set(args.variants.split(","))
     rows = []
@@ -664,11 +687,11 @@ def main() -> None:
         if args.batch:
             rows += bench_step("decode", model.decode, lambda: decode_batch(config, layout, context_lens,
                                                                             max_len=args.ctx, device="cuda"),
-                               options, mode, only, args.static_inputs)
+                               options, mode, only, args.static_inputs, args.graph_replay)
         if args.prefill:
             rows += bench_step("prefill", model.prefill,
                                lambda: prefill_batch(config, layout, [args.prefill], device="cuda"), options, mode, only,
-                               args.static_inputs)
+                               args.static_inputs, args.graph_replay)
 
     lines = ["| step | variant | µs | vs eager | vs inductor | kernels | cache bytes = eager | logits rel. err | "
              "top-k sets identical |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]

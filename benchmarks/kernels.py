@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from nsa_inductor.layout import KCacheLayout  # noqa: E402
+from timing import graph_us  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 FP8_FLOPS_PER_S = 1979e12
@@ -194,9 +195,9 @@ def bench_rotate(args, rows: list[dict]) -> None:
         x = torch.randn(tokens, 64, 128, device=DEV).bfloat16()
         call = (x, h, c, False, 128, "ue8m0", torch.float8_e4m3fn, 448.0)
         blocks = sorted({tk.block_rows(tokens * 64), 16, 32, 64})
-        results = {b: _graph_us(lambda b=b: tk.rotate_act_quant(*call, block_m=b)) for b in blocks}
+        results = {b: graph_us(lambda b=b: tk.rotate_act_quant(*call, block_m=b)) for b in blocks}
         default = tk.block_rows(tokens * 64)
-        torch_us = None if args.no_torch else _graph_us(lambda: act_quant((x.float() @ h * c).to(torch.bfloat16)))
+        torch_us = None if args.no_torch else graph_us(lambda: act_quant((x.float() @ h * c).to(torch.bfloat16)))
         nbytes = x.numel() * 2 + h.numel() * 4 + x.numel() + tokens * 64 * 4
         rows.append({**_bandwidth_row("rotate_act_quant", f"q M={tokens}x64 rows (vs eager GEMM + act_quant)",
                                       results[default], torch_us, nbytes),
@@ -206,8 +207,8 @@ def bench_rotate(args, rows: list[dict]) -> None:
         k = torch.randn(tokens, 128, device=DEV).bfloat16()
         slots = torch.randperm(1 << 16, device=DEV)[:tokens]
         fused = (k, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16, False, h)
-        us = _graph_us(lambda: store.quant_cache_store(*fused))
-        unfused = None if args.no_torch else _graph_us(lambda: store.quant_cache_store(
+        us = graph_us(lambda: store.quant_cache_store(*fused))
+        unfused = None if args.no_torch else graph_us(lambda: store.quant_cache_store(
             k.float() @ h, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16))
         nbytes = k.numel() * 2 + h.numel() * 4 + tokens * 132 + tokens * 8
         rows.append(_bandwidth_row("quant_cache_store+rotation",
@@ -269,26 +270,6 @@ def _xgemm_name(key) -> str:
             f"{c.num_warps},{c.num_stages}")
 
 
-def _graph_us(fn, calls: int = 20) -> float:
-    """Median GPU µs per call over replays of a CUDA graph of ``calls`` calls: no host launch cost, inputs left in
-    L2 as they are when the logits kernel has just written them."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 TOPK_CASES = [("decode", 64, 8192, None), ("decode", 8, 8192, None), ("decode", 1, 32768, None),
               ("decode", 64, 65536, None), ("decode ~8192 valid", 64, 65536, 8192),
               ("causal prefill", 8192, 8192, "causal")]
@@ -312,13 +293,13 @@ def bench_topk(args, rows: list[dict]) -> None:
             masked = logits if lengths is None else logits.masked_fill(cols >= lengths[:, None], float("-inf"))
             return torch.topk(masked, k, dim=-1)
 
-        torch_us = None if args.no_torch else _graph_us(eager)
+        torch_us = None if args.no_torch else graph_us(eager)
         nbytes = logits.numel() * 4 + batch * k * 4
         block = tk.block_for(width)
         for order in ("set", "sorted"):
             sort = order == "sorted"
             chosen = tk.warps_for(batch, block, sort and k <= tk.MAX_SORTED_K and batch <= tk.MAX_SORTED_ROWS)
-            results = {w: _graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
+            results = {w: graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
                        for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
                                           torch_us, nbytes),
@@ -383,9 +364,9 @@ def bench_host(args, rows: list[dict]) -> None:
         _, launch_issue = _host_us(lambda: launcher(*call))
         torch_wall, torch_issue = _host_us(lambda: torch.clone(plain))
         rows.append({"kernel": name, "case": case, "host": True, "wall_us": wall, "issue_us": issue,
-                     "gpu_us": _graph_us(lambda: op(*call)), "launcher_issue_us": launch_issue,
+                     "gpu_us": graph_us(lambda: op(*call)), "launcher_issue_us": launch_issue,
                      "torch_issue_us": torch_issue, "torch_wall_us": torch_wall,
-                     "torch_gpu_us": _graph_us(lambda: torch.clone(plain)), "torch_case": f"clone {list(plain.shape)}"})
+                     "torch_gpu_us": graph_us(lambda: torch.clone(plain)), "torch_case": f"clone {list(plain.shape)}"})
     _custom_op_floor(rows)
 
 

@@ -1,6 +1,6 @@
-"""GPU time of each kernel in one compiled decode step (torch.profiler), DeepSeek-V3.2, B=64, ctx ~8192.
+"""GPU time of each kernel in one compiled decode step (torch.profiler), DeepSeek-V3.2, B=64, ctx ~8192 by default.
 
-    python benchmarks/profile_decode.py [--steps 10]
+    python benchmarks/profile_decode.py [--steps 10] [--batch 64] [--ctx 8192] [--topk-order sorted|set] [--checks]
 
 The backend is imported from whichever ``nsa_inductor`` comes first on ``PYTHONPATH``, so two versions compare in
 one process each, e.g. ``git archive <commit> nsa_inductor | tar -x -C old; PYTHONPATH=old python ...``. Steps run
@@ -25,13 +25,21 @@ from nsa_inductor.workload import decode_batch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    steps = parser.parse_args().steps
-    print(f"nsa_inductor from {nsa_inductor.__file__}")
-    config, layout = IndexerConfig.deepseek_v32(max_model_len=8192), KCacheLayout(64)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ctx", type=int, default=8192, help="the longest context (the others 8 tokens apart)")
+    parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted")
+    parser.add_argument("--checks", action="store_true", help="with nsa.checks (the index checks' device asserts)")
+    args = parser.parse_args()
+    steps = args.steps
+    print(f"nsa_inductor from {nsa_inductor.__file__}; B={args.batch} ctx={args.ctx} top-k order {args.topk_order}"
+          f"{' nsa.checks' if args.checks else ''}")
+    config, layout = IndexerConfig.deepseek_v32(max_model_len=args.ctx), KCacheLayout(64)
     model = Indexer(config, layout).cuda()
     model.reset_parameters()
-    batch = decode_batch(config, layout, [8192 - 8 * i for i in range(64)], max_len=8192, device="cuda")
-    options = {"nsa.layout": "paged", "nsa.page_size": 64}
+    batch = decode_batch(config, layout, [args.ctx - 8 * i for i in range(args.batch)], max_len=args.ctx,
+                         device="cuda")
+    options = {"nsa.layout": "paged", "nsa.page_size": 64, "nsa.topk_order": args.topk_order,
+               "nsa.checks": args.checks}
     step = torch.compile(model.decode, backend=functools.partial(nsa_rocm, options=options))
     with torch.no_grad():
         for _ in range(3):

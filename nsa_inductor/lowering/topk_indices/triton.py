@@ -28,6 +28,13 @@ MAX_SORTED_ROWS = 256
 # candidate columns its row's segments wrote.
 ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
+EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
+RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_digit`)
+# The radix path: rows up to this many go through it; boundary-bin candidates its final select keeps at most (more:
+# it selects from the row itself).
+RADIX_MAX_ROWS = 128
+RADIX_CAPACITY = 16384
+SORT_CHUNK = 256  # entries per program of the two-launch sort (the radix path's sorted order)
 
 
 @triton.jit
@@ -79,15 +86,170 @@ def _count_at_least(src, cand_keys, u0, pos, n_pos, bound, GATHER: tl.constexpr,
 
 
 @triton.jit
+def _row_length(lengths, row, n_cols, HAS_LENGTHS: tl.constexpr):
+    """Columns of ``row`` taking part: ``lengths[row]`` clamped to [0, n_cols], or all."""
+    length = n_cols
+    if HAS_LENGTHS:
+        length = tl.minimum(tl.maximum(tl.load(lengths + row).to(tl.int32), 0), n_cols)
+    return length
+
+
+@triton.jit
+def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
+            COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
+            ONE_BLOCK: tl.constexpr):
+    """Writes ``dst[0:take]``: the ``take`` largest keys among positions [0, n_pos) (the columns of ``src``, or with
+    GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
+    keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
+    shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``."""
+    pos = tl.arange(0, BLOCK)
+    u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
+
+    # Invariants of the bisection on the key bits, top down: count(key >= bound) = at_bound >= take, and
+    # above_bound = count(key >= the last bound that failed) < take, i.e. count(key > bound) once all bits are set.
+    # With fewer than `take` values above -inf it is over at once: the -inf entries are the ties at the bound.
+    # (take = 0 starts at the highest key: nothing is above it, and no tie is needed.)
+    n_valid = n_pos
+    if COUNT_VALID:
+        n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
+    n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
+    bound = tl.full((), 0, tl.uint32)
+    bound = tl.where(n_finite < take, tl.full((), KEY_NEG_INF, tl.uint32), bound)
+    bound = tl.where(take == 0, tl.full((), 0xFFFFFFFF, tl.uint32), bound)
+    at_bound = n_valid
+    above_bound = tl.where(n_finite < take, n_finite, 0)
+    shift = tl.full((), 31, tl.uint32)
+    go = (take > 0) & (at_bound != take) & (n_finite >= take)
+    while go:
+        trial = bound | (tl.full((), 1, tl.uint32) << shift)
+        count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+        bound = tl.where(count >= take, trial, bound)
+        above_bound = tl.where(count >= take, above_bound, count)
+        at_bound = tl.where(count >= take, count, at_bound)
+        go = (at_bound != take) & (shift > 0)
+        shift -= 1
+
+    # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
+    exact = at_bound == take
+    need = tl.where(exact, 0, take - above_bound)
+    n_above = take - need
+    above_seen = tl.zeros((), dtype=tl.int32)
+    ties_seen = tl.zeros((), dtype=tl.int32)
+    for start in range(0, n_pos, BLOCK):
+        col = _columns(cand_cols, start + pos, n_pos, GATHER)
+        if ONE_BLOCK:
+            u = u0
+        else:
+            u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
+        is_above = (u > 0) & ((u > bound) | ((u == bound) & exact))
+        is_tie = (u > 0) & (u == bound) & (at_bound != take)
+        ranks = tl.cumsum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), axis=0)  # two counts, one scan
+        above_rank = above_seen + (ranks & 0xFFFF) - 1
+        tie_rank = ties_seen + (ranks >> 16) - 1
+        chosen_tie = is_tie & (tie_rank < need)
+        slot = tl.where(is_above, above_rank, n_above + tie_rank)
+        index = col.to(tl.int64) + col_base - shift_cols
+        if NEG1:
+            index = tl.where(u == KEY_NEG_INF, -1, index)
+        # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
+        chosen = (is_above.to(tl.int32) + chosen_tie.to(tl.int32)) > 0
+        tl.store(dst + slot, index.to(tl.int32), mask=chosen)
+        if WRITE_KEYS:
+            tl.store(keys_dst + slot, u.to(tl.int32, bitcast=True), mask=chosen)
+        above_seen += tl.sum(is_above.to(tl.int32), axis=0)
+        ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """Slots [take, k) where fewer than k columns take part: -1 (no candidate), or with PAD_COLUMNS distinct columns
+    past the row's length (k <= N, and they read as -inf); with WRITE_KEYS key 0 beside them."""
+    pos = tl.arange(0, BLOCK)
+    for start in range(take, k, BLOCK):
+        slot = start + pos
+        fill = tl.full((BLOCK,), -1, tl.int64)
+        if PAD_COLUMNS:
+            fill = length + (slot - take).to(tl.int64) - shift_cols
+        tl.store(dst + slot, fill.to(tl.int32), mask=slot < k)
+        if WRITE_KEYS:
+            tl.store(keys_dst + slot, tl.zeros((BLOCK,), tl.int32), mask=slot < k)
+
+
+@triton.jit
+def _sort_keys(dst, src, slots, k, length, shift_cols, PAD_COLUMNS: tl.constexpr):
+    """The entries at ``slots`` of a row's k as int64 sort keys, (value key, index) packed so that descending order
+    is torch's; -1 entries (-inf values, missing columns) and the lanes past k get ``EMPTY``, below every other."""
+    index = tl.load(dst + slots, mask=slots < k, other=-1)
+    marker = slots >= k
+    if not PAD_COLUMNS:
+        marker |= index == -1
+    col = index.to(tl.int64) + shift_cols
+    u = tl.maximum(_keys(src, tl.where((col >= 0) & (col < length), col, -1)), KEY_NEG_INF)  # past it: -inf
+    signed = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(marker, EMPTY, (signed << 32) | (index.to(tl.int64) & 0xFFFFFFFF))
+
+
+@triton.jit
+def _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS: tl.constexpr, K_POW2: tl.constexpr):
+    """Descending value order of a row's k entries: sorted by (key, index) in registers, -1 entries last."""
+    tl.debug_barrier()
+    slots = tl.arange(0, K_POW2)
+    packed = tl.sort(_sort_keys(dst, src, slots, k, length, shift_cols, PAD_COLUMNS), descending=True)
+    tl.debug_barrier()
+    tl.store(dst + slots, tl.where(packed == EMPTY, -1, (packed & 0xFFFFFFFF).to(tl.int32)), mask=slots < k)
+
+
+@triton.jit
+def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, stride_row, k, n_chunks,
+                        HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """Program (row, c): entries [c*CHUNK, (c+1)*CHUNK) of the row's k as sort keys, sorted descending, to
+    ``sorted_chunks[row, c]``."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    shift_cols = tl.zeros((), dtype=tl.int64)
+    if HAS_OFFSET:
+        shift_cols = tl.load(offset + row).to(tl.int64)
+    slots = chunk * CHUNK + tl.arange(0, CHUNK)
+    packed = _sort_keys(out + row * k, logits + row * stride_row, slots, k, length, shift_cols, PAD_COLUMNS)
+    tl.store(sorted_chunks + (row * n_chunks + chunk) * CHUNK + tl.arange(0, CHUNK), tl.sort(packed, descending=True))
+
+
+@triton.jit
+def _merge_chunks_kernel(sorted_chunks, out, k, n_chunks, CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+                         SEARCH_STEPS: tl.constexpr):
+    """Program (row, c): each entry of sorted chunk c goes to its rank in the row, its position in c plus, per other
+    chunk, the entries above it there (a binary search; equal keys, the -1 entries, count as above in earlier
+    chunks); the ranks are a permutation of the row's slots."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    base = sorted_chunks + row * n_chunks * CHUNK
+    pos = tl.arange(0, CHUNK)
+    mine = tl.load(base + chunk * CHUNK + pos)
+    other = tl.arange(0, CHUNKS_POW2)
+    searched = (other < n_chunks) & (other != chunk)
+    lo = tl.zeros((CHUNK, CHUNKS_POW2), tl.int32)
+    hi = tl.where(searched, CHUNK, 0)[None, :] + lo
+    for _ in tl.static_range(SEARCH_STEPS):  # the prefix of chunk `other` above `mine`: its length in [0, CHUNK]
+        mid = (lo + hi) >> 1
+        x = tl.load(base + other[None, :] * CHUNK + tl.minimum(mid, CHUNK - 1), mask=searched[None, :], other=0)
+        above = tl.where(other[None, :] < chunk, x >= mine[:, None], x > mine[:, None]) & (mid < hi)
+        lo = tl.where(above, mid + 1, lo)
+        hi = tl.where(above, hi, mid)
+    rank = pos + tl.sum(lo, axis=1)
+    tl.store(out + row * k + rank, tl.where(mine == EMPTY, -1, (mine & 0xFFFFFFFF).to(tl.int32)), mask=rank < k)
+
+
+@triton.jit
 def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, stride_row, k, n_segments,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
                          ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * stride_row
-    length = n_cols
-    if HAS_LENGTHS:
-        length = tl.minimum(tl.maximum(tl.load(lengths + row).to(tl.int32), 0), n_cols)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     take = tl.minimum(k, length)
     n_pos = length
     col_base = tl.zeros((), dtype=tl.int64)  # column of position 0 (a segment's first)
@@ -101,94 +263,127 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
         take = tl.minimum(k, n_pos)
         dst = cand + (row * n_segments + segment) * k
         keys_dst = cand_keys + (row * n_segments + segment) * k
-    cand_row = cand + row * n_segments * k
-    keys_row = cand_keys + row * n_segments * k
     if MODE == 2:  # CANDIDATES: the columns this row's segments wrote
         n_pos = n_segments * k
-    pos = tl.arange(0, BLOCK)
-    u0 = _position_keys(src, keys_row, pos, n_pos, MODE == 2)
-
-    # Invariants of the bisection on the key bits, top down: count(key >= bound) = at_bound >= take, and
-    # above_bound = count(key >= the last bound that failed) < take, i.e. count(key > bound) once all bits are set.
-    # With fewer than `take` values above -inf it is over at once: the -inf entries are the ties at the bound.
-    # (k = 0 starts at the highest key: nothing is above it, and no tie is needed.)
-    n_valid = n_pos
-    if MODE == 2:
-        n_valid = _count_at_least(src, keys_row, u0, pos, n_pos, 1, True, BLOCK, ONE_BLOCK)
-    n_finite = _count_at_least(src, keys_row, u0, pos, n_pos, KEY_NEG_INF + 1, MODE == 2, BLOCK, ONE_BLOCK)
-    bound = tl.full((), 0, tl.uint32)
-    bound = tl.where(n_finite < take, tl.full((), KEY_NEG_INF, tl.uint32), bound)
-    bound = tl.where(take == 0, tl.full((), 0xFFFFFFFF, tl.uint32), bound)
-    at_bound = n_valid
-    above_bound = tl.where(n_finite < take, n_finite, 0)
-    shift = tl.full((), 31, tl.uint32)
-    go = (take > 0) & (at_bound != take) & (n_finite >= take)
-    while go:
-        trial = bound | (tl.full((), 1, tl.uint32) << shift)
-        count = _count_at_least(src, keys_row, u0, pos, n_pos, trial, MODE == 2, BLOCK, ONE_BLOCK)
-        bound = tl.where(count >= take, trial, bound)
-        above_bound = tl.where(count >= take, above_bound, count)
-        at_bound = tl.where(count >= take, count, at_bound)
-        go = (at_bound != take) & (shift > 0)
-        shift -= 1
-
-    # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
-    exact = at_bound == take
-    need = tl.where(exact, 0, take - above_bound)
-    n_above = take - need
-    above_seen = tl.zeros((), dtype=tl.int32)
-    ties_seen = tl.zeros((), dtype=tl.int32)
     shift_cols = tl.zeros((), dtype=tl.int64)
     if HAS_OFFSET and MODE != 1:
         shift_cols = tl.load(offset + row).to(tl.int64)
-    for start in range(0, n_pos, BLOCK):
-        col = _columns(cand_row, start + pos, n_pos, MODE == 2)
-        if ONE_BLOCK:
-            u = u0
-        else:
-            u = _position_keys(src, keys_row, start + pos, n_pos, MODE == 2)
-        is_above = (u > 0) & ((u > bound) | ((u == bound) & exact))
-        is_tie = (u > 0) & (u == bound) & (at_bound != take)
-        ranks = tl.cumsum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), axis=0)  # two counts, one scan
-        above_rank = above_seen + (ranks & 0xFFFF) - 1
-        tie_rank = ties_seen + (ranks >> 16) - 1
-        chosen_tie = is_tie & (tie_rank < need)
-        slot = tl.where(is_above, above_rank, n_above + tie_rank)
-        index = col.to(tl.int64) + col_base - shift_cols
-        if MODE != 1 and not PAD_COLUMNS:
-            index = tl.where(u == KEY_NEG_INF, -1, index)
-        # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
-        chosen = (is_above.to(tl.int32) + chosen_tie.to(tl.int32)) > 0
-        tl.store(dst + slot, index.to(tl.int32), mask=chosen)
-        if MODE == 1:
-            tl.store(keys_dst + slot, u.to(tl.int32, bitcast=True), mask=chosen)
-        above_seen += tl.sum(is_above.to(tl.int32), axis=0)
-        ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
+    _select(src, cand_keys + row * n_segments * k, cand + row * n_segments * k, n_pos, take, dst, keys_dst, col_base,
+            shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK, ONE_BLOCK)
+    _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS and MODE != 1, MODE == 1, BLOCK)
+    if SORTED:
+        _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS, K_POW2)
 
-    for start in range(take, k, BLOCK):  # fewer than k columns (in the row, or in a segment: -1, no candidate)
-        slot = start + pos
-        fill = tl.full((BLOCK,), -1, tl.int64)
-        if PAD_COLUMNS and MODE != 1:  # distinct columns past the row's length (k <= N, and they read as -inf)
-            fill = length + (slot - take).to(tl.int64) - shift_cols
-        tl.store(dst + slot, fill.to(tl.int32), mask=slot < k)
-        if MODE == 1:
-            tl.store(keys_dst + slot, tl.zeros((BLOCK,), tl.int32), mask=slot < k)
 
-    if SORTED:  # descending value order: sort the k survivors by (key, index) in registers
-        tl.debug_barrier()
-        slots = tl.arange(0, K_POW2)
-        index = tl.load(dst + slots, mask=slots < k, other=-1)
-        marker = slots >= k  # -1 of an -inf value or a missing column, and the lanes past k
-        if not PAD_COLUMNS:
-            marker |= index == -1
-        col = index.to(tl.int64) + shift_cols
-        u = tl.maximum(_keys(src, tl.where((col >= 0) & (col < length), col, -1)), KEY_NEG_INF)  # past it: -inf
-        signed = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-        empty = tl.full((), -9223372036854775807, tl.int64) - 1  # below every selected key
-        packed = tl.where(marker, empty, (signed << 32) | (index.to(tl.int64) & 0xFFFFFFFF))
-        packed = tl.sort(packed, descending=True)
-        tl.debug_barrier()
-        tl.store(dst + slots, tl.where(packed == empty, -1, (packed & 0xFFFFFFFF).to(tl.int32)), mask=slots < k)
+@triton.jit
+def _radix_digit(x):
+    """Radix bin of x in [3, 255], monotone in ``_order_key``'s order: the top byte of the 16-bit order key of x
+    rounded to fp16 (a quarter octave per bin; -inf and values below fp16's range in bin 3, NaN in 255). Bins 0-2
+    hold no value: the kernels put positions without a column there."""
+    h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    key = h ^ ((h >> 15) & 0x7FFF)  # signed, ordered like the fp16 values
+    key = tl.where(x != x, 0x7FFF, key)
+    return (key + 0x8000) >> 8
+
+
+@triton.jit
+def _radix_histogram_kernel(logits, lengths, hist, n_cols, stride_row, n_segments, HAS_LENGTHS: tl.constexpr,
+                            SEGMENT: tl.constexpr):
+    """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
+    ``hist[row, s]``."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    col = segment * SEGMENT + tl.arange(0, SEGMENT)
+    x = tl.load(logits + row * stride_row + col, mask=col < length, other=0.0)
+    counts = tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
+    bins = tl.arange(0, RADIX_BINS)
+    at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + bins, at_least)
+
+
+@triton.jit
+def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_keys, out, n_cols, stride_row, k,
+                          n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                          SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr):
+    """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from every segment's counts;
+    segment s's columns above b go straight to the output (after those of the segments before it), its columns in
+    b are appended to the row's candidates (columns and keys, up to ``capacity``). Program (row, 0) writes
+    ``meta[row]`` = (columns above b, columns in b) for the final select."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    take = tl.minimum(k, length)
+    bins = tl.arange(0, RADIX_BINS)
+    hist_row = hist + row * n_segments * RADIX_BINS
+    at_least = tl.zeros((RADIX_BINS,), tl.int32)
+    for s0 in range(0, n_segments, SEGMENTS_BLOCK):
+        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
+        at_least += tl.sum(tl.load(hist_row + s[:, None] * RADIX_BINS + bins[None, :], mask=s[:, None] < n_segments,
+                                   other=0), axis=0)
+    b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1  # >= 3 where take >= 1 (bins 0-2 hold no value)
+    above_total = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
+    in_bin_total = tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above_total
+    above_before = tl.zeros((), tl.int32)
+    in_bin_before = tl.zeros((), tl.int32)
+    segments_above = tl.where(b + 1 < RADIX_BINS, segment, 0)  # (no bin above the last)
+    for s0 in range(0, segment, SEGMENTS_BLOCK):
+        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
+        at_b = tl.load(hist_row + s * RADIX_BINS + b, mask=s < segment, other=0)
+        above_b = tl.load(hist_row + s * RADIX_BINS + b + 1, mask=s < segments_above, other=0)
+        above_before += tl.sum(above_b, axis=0)
+        in_bin_before += tl.sum(at_b - above_b, axis=0)
+    if segment == 0:
+        tl.store(meta + row * 2, above_total)
+        tl.store(meta + row * 2 + 1, in_bin_total)
+    if take > 0:
+        col = segment * SEGMENT + tl.arange(0, SEGMENT)
+        valid = col < length
+        x = tl.load(logits + row * stride_row + col, mask=valid, other=0.0)
+        digit = tl.where(valid, _radix_digit(x), 0)
+        is_above = digit > b
+        is_cand = digit == b
+        ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
+        shift_cols = tl.zeros((), dtype=tl.int64)
+        if HAS_OFFSET:
+            shift_cols = tl.load(offset + row).to(tl.int64)
+        slot = above_before + (ranks & 0xFFFF) - 1
+        tl.store(out + row * k + slot, (col - shift_cols).to(tl.int32), mask=is_above)
+        cand_slot = in_bin_before + (ranks >> 16) - 1
+        keep = is_cand & (cand_slot < capacity)
+        tl.store(cand_cols + row * capacity + cand_slot, col, mask=keep)
+        tl.store(cand_keys + row * capacity + cand_slot, _order_key(x).to(tl.int32, bitcast=True), mask=keep)
+
+
+@triton.jit
+def _radix_select_kernel(logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
+                         HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Program per row: the rest of its top k among the boundary bin's candidates (held in registers up to BLOCK of
+    them, streamed up to ``capacity``; past that, the whole top k from the row itself), then the padding."""
+    row = tl.program_id(0).to(tl.int64)
+    src = logits + row * stride_row
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    take = tl.minimum(k, length)
+    dst = out + row * k
+    shift_cols = tl.zeros((), dtype=tl.int64)
+    if HAS_OFFSET:
+        shift_cols = tl.load(offset + row).to(tl.int64)
+    above = tl.load(meta + row * 2)
+    n_cand = tl.load(meta + row * 2 + 1)
+    row_cols = cand_cols + row * capacity
+    row_keys = cand_keys + row * capacity
+    if take > 0:
+        if n_cand <= tl.minimum(BLOCK, capacity):
+            _select(src, row_keys, row_cols, n_cand, take - above, dst + above, out, 0, shift_cols, True, False, False,
+                    not PAD_COLUMNS, BLOCK, True)
+        elif n_cand <= capacity:
+            _select(src, row_keys, row_cols, n_cand, take - above, dst + above, out, 0, shift_cols, True, False, False,
+                    not PAD_COLUMNS, BLOCK, False)
+        else:  # the candidates overflowed their buffer: the whole top k from the row
+            _select(src, row_keys, row_cols, length, take, dst, out, 0, shift_cols, False, False, False,
+                    not PAD_COLUMNS, BLOCK, False)
+    _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
 
 
 def block_for(n_cols: int) -> int:
@@ -211,43 +406,111 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
     return 16 if sort_in_kernel else 8
 
 
-def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None):
+def radix_for(rows: int, n_cols: int, k: int) -> bool:
+    """Whether rows go through the radix pre-filter: few rows (one program per row would leave SMs idle, and count
+    ~20 times in a row) long enough that the boundary bin holds few of their columns (BENCHMARKS.md, top-k)."""
+    return rows <= RADIX_MAX_ROWS and n_cols >= 4096 and 2 * k <= n_cols
+
+
+def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
+    """(columns per program of the histogram and compaction launches, candidates the final select holds in
+    registers): about 256 programs per launch, and a block for the ~1/32 of a row of similar values that one
+    quarter-octave bin holds (BENCHMARKS.md, top-k)."""
+    segment = min(max(1 << max(rows * n_cols // 256, 1).bit_length() - 1, 1024), 4096)
+    return segment, min(max(next_power_of_2(n_cols // 32), 1024), 4096)
+
+
+def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None,
+                 radix=None, segment=None, capacity=None, sort_chunk=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
-    ``warps_for`` (the benchmark's sweep)."""
+    ``warps_for`` (the benchmark's sweep); ``radix``, ``segment``, ``capacity`` and ``sort_chunk`` force the radix
+    path and its sizes."""
     rows, n_cols = logits.shape
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
     if rows == 0 or k == 0:
         return out
-    block = block or block_for(n_cols)
-    sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
-    segments = segments_for(n_cols, k, block)
-    flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column",
-                 BLOCK=block, K_POW2=next_power_of_2(k),
-                 num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
     lengths_arg = lengths if lengths is not None else logits
     offset_arg = offset if offset is not None else logits
+    flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column")
+    if radix if radix is not None else radix_for(rows, n_cols, k):
+        default_segment, default_block = radix_sizes(rows, n_cols)
+        _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
+                    min(capacity or RADIX_CAPACITY, n_cols), num_warps)
+        if sorted:
+            _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk or SORT_CHUNK)
+        return out
+    sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
+    _rows_topk(logits, k, lengths_arg, offset_arg, out, dict(flags, K_POW2=next_power_of_2(k)), sort_in_kernel,
+               block or block_for(n_cols), num_warps)
+    if sorted and not sort_in_kernel:
+        _sort_after(logits, lengths, offset, pad, out)
+    return out
+
+
+def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, num_warps):
+    """One program per row (rows longer than ``block``: per segment, then per row among the segments' top k)."""
+    rows, n_cols = logits.shape
+    segments = segments_for(n_cols, k, block)
+    flags = dict(flags, BLOCK=block, num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
     if segments == 1:
-        _topk_indices_kernel[(rows,)](logits, lengths_arg, offset_arg, out, out, out, n_cols, logits.stride(0), k, 1,
+        _topk_indices_kernel[(rows,)](logits, lengths, offset, out, out, out, n_cols, logits.stride(0), k, 1,
                                       MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, **flags)
     else:
         cand = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)
         cand_keys = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
-        _topk_indices_kernel[(rows, segments)](logits, lengths_arg, offset_arg, cand, cand_keys, out, n_cols,
+        _topk_indices_kernel[(rows, segments)](logits, lengths, offset, cand, cand_keys, out, n_cols,
                                                logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False,
                                                ONE_BLOCK=True, **flags)
-        _topk_indices_kernel[(rows,)](logits, lengths_arg, offset_arg, cand, cand_keys, out, n_cols, logits.stride(0),
-                                      k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel,
+        _topk_indices_kernel[(rows,)](logits, lengths, offset, cand, cand_keys, out, n_cols, logits.stride(0), k,
+                                      segments, MODE=CANDIDATES, SORTED=sort_in_kernel,
                                       ONE_BLOCK=segments * k <= block, **flags)
-    if sorted and not sort_in_kernel:
-        cols = out.long() + (0 if offset is None else offset.long()[:, None])
-        values = logits.gather(1, cols.clamp(0, n_cols - 1))
-        if lengths is not None:
-            values = values.masked_fill(cols >= lengths.long()[:, None], float("-inf"))
-        if pad != "column":
-            values = values.masked_fill(out == -1, float("-inf"))
-        bits = values.view(torch.int32)
-        key = torch.where(values.isnan(), torch.iinfo(torch.int32).max, bits ^ ((bits >> 31) & 0x7FFFFFFF))
-        out.copy_(out.gather(1, key.argsort(dim=1, descending=True)))  # the kernel's key order: NaN first
-    return out
+
+
+def _radix_topk(logits, k, lengths, offset, out, flags, block, segment, capacity, num_warps):
+    """Three launches: per (row, segment) a histogram of the radix digit; per (row, segment) the columns above the
+    boundary bin to the output and those in it to the candidates; per row the rest among the candidates."""
+    rows, n_cols = logits.shape
+    segments = -(-n_cols // segment)
+    hist = torch.empty(rows, segments, RADIX_BINS.value, dtype=torch.int32, device=logits.device)
+    meta = torch.empty(rows, 2, dtype=torch.int32, device=logits.device)
+    cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
+    cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
+    stride = logits.stride(0)
+    _radix_histogram_kernel[(rows, segments)](logits, lengths, hist, n_cols, stride, segments,
+                                              HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, num_warps=4)
+    _radix_compact_kernel[(rows, segments)](logits, lengths, offset, hist, meta, cand_cols, cand_keys, out, n_cols,
+                                            stride, k, segments, capacity, HAS_LENGTHS=flags["HAS_LENGTHS"],
+                                            HAS_OFFSET=flags["HAS_OFFSET"], SEGMENT=segment,
+                                            SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), num_warps=4)
+    _radix_select_kernel[(rows,)](logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride, k,
+                                  capacity, BLOCK=block, num_warps=num_warps or 8, **flags)
+
+
+def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
+    """Descending value order of each row's k entries in two launches over (row, chunk of ``chunk`` entries): each
+    chunk sorted in registers, then each entry written at its rank among all chunks."""
+    rows, n_cols = logits.shape
+    chunk = min(chunk, next_power_of_2(k))
+    n_chunks = -(-k // chunk)
+    sorted_chunks = torch.empty(rows, n_chunks, chunk, dtype=torch.int64, device=logits.device)
+    _sort_chunks_kernel[(rows, n_chunks)](logits, lengths, offset, out, sorted_chunks, n_cols, logits.stride(0), k,
+                                          n_chunks, CHUNK=chunk, num_warps=4, **flags)
+    _merge_chunks_kernel[(rows, n_chunks)](sorted_chunks, out, k, n_chunks, CHUNK=chunk,
+                                           CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(),
+                                           num_warps=4)
+
+
+def _sort_after(logits, lengths, offset, pad, out):
+    """Descending value order by one batched torch sort (many rows: faster than a register sort per program)."""
+    n_cols = logits.shape[1]
+    cols = out.long() + (0 if offset is None else offset.long()[:, None])
+    values = logits.gather(1, cols.clamp(0, n_cols - 1))
+    if lengths is not None:
+        values = values.masked_fill(cols >= lengths.long()[:, None], float("-inf"))
+    if pad != "column":
+        values = values.masked_fill(out == -1, float("-inf"))
+    bits = values.view(torch.int32)
+    key = torch.where(values.isnan(), torch.iinfo(torch.int32).max, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    out.copy_(out.gather(1, key.argsort(dim=1, descending=True)))  # the kernel's key order: NaN first
