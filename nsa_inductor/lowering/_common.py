@@ -19,6 +19,7 @@ import logging
 import torch
 
 from ..capability import aiter_refusal, capability
+from ..index_contract import python_index
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
 
@@ -212,15 +213,6 @@ def head_weights(weights: torch.Tensor, factor: torch.Tensor | None, scale: floa
     if factor is not None:
         weights = weights * factor
     return weights * scale if scale != 1.0 else weights
-
-
-def python_index(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ids`` as Python indexes a dimension of ``size`` (docs/indices.md): ids in ``[-size, 0)`` wrap to
-    ``id + size``; ``(wrapped ids, readable)``, unreadable ids (outside ``[-size, size)``) set to 0 (safe to load)."""
-    ids = ids.long()
-    ids = torch.where(ids < 0, ids + size, ids)
-    readable = (ids >= 0) & (ids < size)
-    return torch.where(readable, ids, 0), readable
 
 
 def slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int, num_pages: int

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...layout import HEAD_DIM, KCacheLayout
-from .._common import python_index, slots_of
+from ...index_contract import python_index
+from .._common import slots_of
 
 
 def gather_k_slots(cache, positions, page_size, preshuffle, fp8_dtype, block_table=None, seq_ids=None
