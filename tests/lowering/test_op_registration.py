@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-OPS = ["gather_k", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store", "rotate_act_quant",
+OPS = ["gather_k", "gather_k_slots", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store", "rotate_act_quant",
        "topk_indices", "wk_gate_gemm"]
 
 
