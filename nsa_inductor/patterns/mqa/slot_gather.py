@@ -151,7 +151,9 @@ def prove_slot_gather(k8: torch.fx.Node, k_scale: torch.fx.Node, leaves: set[tor
         why = _disproof(form, k8, k_scale, leaves, layout)
         if why is None:
             return form
-        reasons.append(f"{_describe(form)}: {why}")
+        reasons.append((why.startswith("probing"), f"{_describe(form)}: {why}"))
+    # a form whose probe ids the graph could not even index with is no candidate: name the others where any
+    reasons = [r for failed, r in reasons if not failed] or [r for _, r in reasons]
     raise NearMiss(f"K / k_scale are not read at the {layout} byte offsets of the slot of any form over the maps "
                    f"given as inputs ({'; '.join(reasons)})")
 
