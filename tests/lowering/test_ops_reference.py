@@ -377,7 +377,8 @@ def test_head_gate_gemm_round_weight_needs_fp32_weight():
 
 
 @pytest.mark.parametrize(
-    "name", ["quant_cache_store", "gather_k", "gather_k_slots", "paged_mqa_logits", "mqa_logits", "topk_indices", "head_gate_gemm",
+    "name", ["quant_cache_store", "gather_k", "gather_k_slots", "paged_mqa_logits", "mqa_logits", "topk_indices",
+             "head_gate_gemm",
              "wk_gate_gemm"]
 )
 def test_opcheck(name):

@@ -212,7 +212,8 @@ def _slot_gather_ids(by_sequence: bool, n: int, num_pages: int, page_size: int, 
         return torch.randint(-num_slots - 3, num_slots + 3, (n,), generator=gen), ()
     table = torch.randint(-num_pages - 1, num_pages + 1, (3, 2), generator=gen, dtype=torch.int32)
     seq_ids = torch.randint(-4, 4, (n,), generator=gen, dtype=torch.int32)
-    return torch.randint(-2 * page_size - 3, 2 * page_size + 3, (n,), generator=gen, dtype=torch.int32), (table, seq_ids)
+    positions = torch.randint(-2 * page_size - 3, 2 * page_size + 3, (n,), generator=gen, dtype=torch.int32)
+    return positions, (table, seq_ids)
 
 
 @child_only

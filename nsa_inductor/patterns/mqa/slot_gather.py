@@ -49,7 +49,7 @@ class SlotGather:
     """The proven read: key ``n`` is at slot ``positions[n]``, or at position ``positions[n]`` of sequence
     ``seq_ids[n]`` through ``block_table``."""
 
-    cache: torch.fx.Node
+    cache: torch.fx.Node | None  # the K cache value read (set by the proof)
     positions: torch.fx.Node
     block_table: torch.fx.Node | None = None
     seq_ids: torch.fx.Node | None = None
