@@ -97,6 +97,10 @@ def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False, r
         # report is the one printed).
         "nsa_checks": torch.compile(fn, backend="nsa_rocm", options={
             **options, "nsa.checks": True, **(torch._inductor.list_mode_options(mode) if mode else {})}),
+        # nsa_no_slot_gather: without the gather_k_slots pass (Inductor gathers the engine's K): that pass's share
+        "nsa_no_slot_gather": torch.compile(fn, backend="nsa_rocm", options={
+            **options, "nsa.disable_passes": ["gather_k_slots"],
+            **(torch._inductor.list_mode_options(mode) if mode else {})}),
         "nsa_rocm": torch.compile(fn, backend="nsa_rocm",
                                   options={**options, **(torch._inductor.list_mode_options(mode) if mode else {})}),
     }
@@ -635,8 +639,9 @@ def main() -> None:
     parser.add_argument("--no-head-gate", action="store_true",
                         help="nsa_rocm without the bf16 head-gate rewrite (to measure what it costs)")
     parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
-                        help="comma-separated subset; nsa_checks is nsa_rocm with nsa.checks (default Inductor's prefill hits a "
-                             "torch 2.11 bug on GPUs)")
+                        help="comma-separated subset; nsa_checks is nsa_rocm with nsa.checks, nsa_no_slot_gather "
+                             "without the gather_k_slots pass (default Inductor's prefill hits a torch 2.11 bug on "
+                             "GPUs)")
     parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted",
                         help="nsa.topk_order: torch's order (default) or set order (engines that use indices as a set)")
     parser.add_argument("--engine", action="store_true",

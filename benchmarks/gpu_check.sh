@@ -13,7 +13,8 @@
 # decode: GPU tests, the top-k and paged-logits cells, CUDA-graph decode steps with every input at a fixed address
 # (as engines run them: no input copies) at B=64 ctx 8192 (eager, Inductor, nsa_rocm with and without nsa.checks), B=8
 # and B=1 ctx 32768; GPU time per kernel of the B=64 step (profile_decode.py).
-# engine: the engine-fed indexer (metadata as inputs): prefill T=8192 and a CUDA-graph decode, eager vs nsa_rocm.
+# engine: the engine-fed indexer (metadata as inputs): prefill T=8192 (also without the gather_k_slots pass) and a
+# CUDA-graph decode, eager vs nsa_rocm.
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -62,7 +63,7 @@ case "$mode" in
            | grep -E '^(decode|prefill) ' | tail -n 12
          summary+=("sweep: full table $OUT/sweep/sweep.md, plot $OUT/sweep/sweep.png, log $OUT/sweep.log")
          [ -f "$OUT/sweep/sweep.md" ] && sed -n '/^| variant | entry/,/^$/p' "$OUT/sweep/sweep.md" ;;
-  engine) python3 benchmarks/end_to_end.py --engine --batch 0 --prefill 8192 --variants eager,nsa_rocm \
+  engine) python3 benchmarks/end_to_end.py --engine --batch 0 --prefill 8192 --variants eager,nsa_no_slot_gather,nsa_rocm \
             --out "$OUT/engine_prefill" 2>&1 | tee "$OUT/engine_prefill.log" | tail -n 5
           python3 benchmarks/end_to_end.py --engine --prefill 0 --cuda-graphs --variants eager,nsa_rocm \
             --out "$OUT/engine_decode" 2>&1 | tee "$OUT/engine_decode.log" | tail -n 5 ;;

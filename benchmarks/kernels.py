@@ -136,6 +136,15 @@ def bench_gather(args, rows: list[dict]) -> None:
         us = _bench(lambda: tk.gather_k(*call), args.quick)
         torch_us = None if args.no_torch else _bench(lambda: reference.gather_k(*call), True)
         rows.append(_bandwidth_row("gather_k", f"{name} T={batch * ctx}", us, torch_us, nbytes))
+        # the same tokens by (sequence id, position) through the block table: nsa.gather_k_slots
+        slots_tk, slots_reference = _op("gather_k_slots")
+        seq_ids = torch.arange(batch, dtype=torch.int32, device=DEV).repeat_interleave(ctx)
+        positions = torch.arange(ctx, device=DEV).repeat(batch)
+        call = (cache, positions, page_size, preshuffle, torch.float8_e4m3fn, block_table, seq_ids)
+        us = _bench(lambda: slots_tk.gather_k_slots(*call), args.quick)
+        torch_us = None if args.no_torch else _bench(lambda: slots_reference.gather_k_slots(*call), True)
+        nbytes += batch * ctx * 12  # the two maps
+        rows.append(_bandwidth_row("gather_k_slots", f"{name} T={batch * ctx}", us, torch_us, nbytes))
 
 
 def bench_ragged(args, rows: list[dict]) -> None:

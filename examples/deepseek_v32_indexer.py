@@ -70,6 +70,8 @@ def print_reports(reports: list[dict], verbose: bool) -> None:
         for p in report["passes"]:
             for miss in p["near_misses"]:
                 print(f"    {p['name']} near miss: {miss['reason']}")
+            for given in p.get("taken_as_given", []):
+                print(f"    {p['name']} took as given: {'; '.join(given['facts'])}")
 
 
 def main() -> None:

@@ -22,6 +22,15 @@ def eager_call(op, args: tuple, kwargs: dict | None = None) -> Any:
     return op(*args, **(kwargs or {}))
 
 
+def python_index(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` as Python indexes a dimension of ``size`` (docs/indices.md): ids in ``[-size, 0)`` wrap to
+    ``id + size``; ``(wrapped ids, readable)``, unreadable ids (outside ``[-size, size)``) set to 0 (safe to load)."""
+    ids = ids.long()
+    ids = torch.where(ids < 0, ids + size, ids)
+    readable = (ids >= 0) & (ids < size)
+    return torch.where(readable, ids, 0), readable
+
+
 def _assert_none(call: Call, bad, message: str) -> None:
     """Assert no element of ``bad`` is set (``not any``: Inductor lowers ``any``, not ``all``)."""
     none = call(aten.logical_not.default, (call(aten.any.default, (bad,)),))
@@ -62,3 +71,37 @@ def check_cu_seqlens(call: Call, cu):
     starts = call(aten.slice.Tensor, (cu, 0, 0, -1))
     _assert_none(call, call(aten.lt.Tensor, (ends, starts)), "cu_seqlens decreases")
     return call(aten.sub.Tensor, (ends, starts))
+
+
+def _wrapped_ids(call: Call, ids, size):
+    """``(ids wrapped as Python wraps an index of a dimension of size, outside [-size, size))``; ``size`` an int
+    or a size node."""
+    wrapped = call(aten.where.self, (call(aten.lt.Scalar, (ids, 0)), call(aten.add.Tensor, (ids, size)), ids))
+    outside = call(aten.logical_or.default, (call(aten.lt.Scalar, (wrapped, 0)), call(aten.ge.Scalar, (wrapped, size))))
+    return wrapped, outside
+
+
+def check_gather_ids(call: Call, positions, num_pages: int, page_size: int, table=None, seq_ids=None, batch=None,
+                     width=None) -> None:
+    """Every id of ``nsa.gather_k_slots`` is one eager indexing reads: a slot in ``[-num_slots, num_slots)``; or,
+    through ``table`` (``batch`` rows, ``width`` columns: ints or size nodes), a sequence id in ``[-batch, batch)``,
+    a position whose page column is in ``[-width, width)`` and a page id there in ``[-num_pages, num_pages)``."""
+    if table is None:
+        num_slots = num_pages * page_size
+        _, outside = _wrapped_ids(call, positions, num_slots)
+        _assert_none(call, outside, f"positions holds a slot outside [-{num_slots}, {num_slots}) (the K cache's "
+                                    f"{num_pages} pages of {page_size} slots)")
+        return
+    seq, bad_seq = _wrapped_ids(call, seq_ids, batch)
+    _assert_none(call, bad_seq, "seq_ids holds a sequence id outside [-B, B) (B: block_table's rows)")
+    column = call(aten.div.Tensor_mode, (positions, page_size), {"rounding_mode": "floor"})
+    column, bad_column = _wrapped_ids(call, column, width)
+    _assert_none(call, bad_column, f"positions holds a position outside [-max_pages * {page_size}, max_pages * "
+                                   f"{page_size}) (max_pages: block_table's columns)")
+    bad = call(aten.logical_or.default, (bad_seq, bad_column))
+    pages = call(aten.index.Tensor, (table, [call(aten.where.ScalarSelf, (bad, 0, seq)),
+                                             call(aten.where.ScalarSelf, (bad, 0, column))]))
+    _, unreadable = _wrapped_ids(call, pages, num_pages)
+    _assert_none(call, call(aten.logical_and.default, (unreadable, call(aten.logical_not.default, (bad,)))),
+                 f"block_table holds a page id outside [-{num_pages}, {num_pages}) (the K cache's pages) where "
+                 f"seq_ids and positions read")

@@ -67,6 +67,8 @@ class NsaPassManager(CustomGraphPass):
                      entry["matched"], len(entry["near_misses"]))
             for miss in entry["near_misses"]:
                 log.info("nsa_inductor:   near miss at %s: %s", miss["anchor"], miss["reason"])
+            for given in entry.get("taken_as_given", []):
+                log.info("nsa_inductor:   taken as given at %s: %s", given["anchor"], "; ".join(given["facts"]))
         if self.inner is not None:
             self.inner(graph)
         report.update(cache_copy_report(graph))  # copies of a mutated uint8 input left in the final graph
@@ -89,7 +91,10 @@ class NsaPassManager(CustomGraphPass):
             warnings.warn(f"nsa_inductor: pass {graph_pass.name!r} failed and was skipped, graph left as it was: "
                           f"{error}", stacklevel=2)
             return {"name": graph_pass.name, "matched": 0, "near_misses": [], "error": error}
-        return {"name": graph_pass.name, "matched": result.matched, "near_misses": result.near_misses}
+        entry = {"name": graph_pass.name, "matched": result.matched, "near_misses": result.near_misses}
+        if result.taken_as_given:
+            entry["taken_as_given"] = result.taken_as_given
+        return entry
 
     def uuid(self) -> str | None:
         inner_uuid = None

@@ -13,7 +13,7 @@ from nsa_inductor.indexer import Indexer
 from nsa_inductor.layout import KCacheLayout
 from helpers.engine_indexer import EngineIndexer, engine_decode_batch, engine_prefill_batch
 from helpers.models import CONFIGS
-from helpers.pass_helpers import assert_matches_eager, count_ops, near_miss_reasons, pass_graphs
+from helpers.pass_helpers import assert_matches_eager, count_ops, near_miss_reasons, pass_entry, pass_graphs
 
 CONFIG = CONFIGS["deepseek_v32"]
 CACHE_SLOTS = 512
@@ -21,11 +21,11 @@ PAGES = {"paged": 16}  # (flat page views are the OtherIndexer's; one layout kee
 
 EXPECTED_MATCHES = {
     "decode": {"rope_copy_elision": 0, "quant_cache_store": 1, "rotate_act_quant": 2, "head_gate_gemm": 1,
-               "wk_gate_gemm": 1, "paged_mqa_logits": 1, "ragged_mqa_logits": 0, "empty_logits_buffer": 0,
-               "topk_indices": 1, "searchsorted_offset": 0},
+               "wk_gate_gemm": 1, "paged_mqa_logits": 1, "ragged_mqa_logits": 0, "gather_k_slots": 0,
+               "empty_logits_buffer": 0, "topk_indices": 1, "searchsorted_offset": 0},
     "prefill": {"rope_copy_elision": 0, "quant_cache_store": 1, "rotate_act_quant": 2, "head_gate_gemm": 1,
-                "wk_gate_gemm": 1, "paged_mqa_logits": 0, "ragged_mqa_logits": 1, "empty_logits_buffer": 0,
-                "topk_indices": 1, "searchsorted_offset": 0},
+                "wk_gate_gemm": 1, "paged_mqa_logits": 0, "ragged_mqa_logits": 1, "gather_k_slots": 1,
+                "empty_logits_buffer": 0, "topk_indices": 1, "searchsorted_offset": 0},
 }
 
 
@@ -87,7 +87,9 @@ def test_every_pass_count(run):
 
 
 def test_rewrites_use_the_inputs(run):
-    """Prefill: nsa.mqa_logits on the model's own gathered K (no gather_k, no search); decode: the paged op."""
+    """Prefill: nsa.mqa_logits on the model's own gathered K (no gather_k, no search), then that gather through
+    seq_ids / positions / block_table replaced by nsa.gather_k_slots on the same maps, the maps' values reported as
+    taken as given; decode: the paged op."""
     entry, dump_dir, _ = run
     for g in sorted(p for p in dump_dir.iterdir() if p.is_dir()):
         name = "ragged_mqa_logits" if entry == "prefill" else "paged_mqa_logits"
@@ -96,6 +98,12 @@ def test_rewrites_use_the_inputs(run):
         assert count_ops(after, op) == 1
         assert count_ops(after, "nsa.gather_k") == 0 and count_ops(after, "aten.searchsorted") == 0
         assert count_ops(after, "aten.bmm") == 0 and count_ops(after, "aten.relu") == 0
+        if entry == "prefill":
+            before, after = pass_graphs(g, "gather_k_slots")
+            assert count_ops(before, "nsa.gather_k_slots") == 0 and count_ops(after, "nsa.gather_k_slots") == 1
+            assert count_ops(after, "aten.index") <= count_ops(before, "aten.index") - 3  # page lookup, K, k_scale
+            (given,) = pass_entry(g, "gather_k_slots")["taken_as_given"]
+            assert "of sequence" in given["facts"][0], given
 
 
 @pytest.mark.parametrize("entry", ["decode", "prefill"])

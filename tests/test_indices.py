@@ -96,6 +96,26 @@ def test_gather_k_zeroes_unreadable_pages_and_rows_before_cu_seqlens():
     assert not k.view(torch.uint8)[zero].any() and not scale[zero].any()
 
 
+def test_gather_k_slots_reads_what_eager_indexing_reads():
+    """Slots and (sequence, position) ids eager's indexing accepts (negative ones wrap) read its rows; any other id
+    (a slot past the cache, a sequence past the table, an unreadable page) a zero row and scale."""
+    cache = random_cache(3, 16, FN, torch.Generator().manual_seed(3))
+    values, scales = cache[:, :16 * 128].unflatten(1, (16, 128)), cache[:, 16 * 128:].view(torch.float32)
+    slots = torch.tensor([5, -1, 47, 48, -49])
+    k, scale = torch.ops.nsa.gather_k_slots(cache, slots, 16, False, FN)
+    read = slots[:3]
+    assert torch.equal(k[:3].view(torch.uint8), values[read // 16, read % 16]) and torch.equal(
+        scale[:3], scales[read // 16, read % 16])
+    table = torch.tensor([[2, -1], [1, 3]], dtype=torch.int32)
+    seq, pos = torch.tensor([0, 0, -1, 1, 2]), torch.tensor([3, 20, -1, 20, 0])  # page ids 2, -1 | 3, 3, row 2
+    k2, scale2 = torch.ops.nsa.gather_k_slots(cache, pos, 16, False, FN, table, seq)
+    page = table[seq[:2], pos[:2] // 16].long()
+    assert torch.equal(k2[:2].view(torch.uint8), values[page, pos[:2] % 16]) and torch.equal(
+        scale2[:2], scales[page, pos[:2] % 16])
+    for got_k, got_scale in ((k[3:], scale[3:]), (k2[2:], scale2[2:])):
+        assert not got_k.view(torch.uint8).any() and not got_scale.any()
+
+
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
 def test_shared_slots_compiled_as_eager(entry):
     """Tokens of one step sharing slots (the first token's slot given to every other token): the compiled store
@@ -148,6 +168,10 @@ def _gather(cache, table, cu):
     return torch.ops.nsa.gather_k(cache, table, cu, 16, False, 42, FN)
 
 
+def _gather_slots(cache, positions, *table_and_seq_ids):
+    return torch.ops.nsa.gather_k_slots(cache, positions, 16, False, FN, *table_and_seq_ids)
+
+
 def _checks_cases():
     gen = torch.Generator().manual_seed(4)
     cache = random_cache(3, 16, FN, gen)
@@ -164,10 +188,16 @@ def _checks_cases():
                         "block_table"),
         "paged-context": (_paged_logits, (q, cache, w, ctx, table), (q, cache, w, ctx + 30, table), "context_lens"),
         "gather-cu": (_gather, (cache, gather_table, cu), (cache, gather_table, cu + 4), "cu_seqlens"),
+        "slots": (_gather_slots, (cache, torch.tensor([3, -48])), (cache, torch.tensor([3, 48])), "positions"),
+        "slots-seq": (_gather_slots, (cache, torch.tensor([3, -1]), gather_table, torch.tensor([0, -2])),
+                      (cache, torch.tensor([3, -1]), gather_table, torch.tensor([0, 2])), "seq_ids"),
+        "slots-table": (_gather_slots, (cache, torch.tensor([3, -1]), gather_table, torch.tensor([0, 1])),
+                        (cache, torch.tensor([3, -1]), gather_table.clone().fill_(3), torch.tensor([0, 1])),
+                        "block_table"),
     }
 
 
-@pytest.mark.parametrize("name", ["store", "store-rewritten", "paged-table", "paged-context", "gather-cu"])
+@pytest.mark.parametrize("name", ["store", "store-rewritten", "paged-table", "paged-context", "gather-cu", "slots-seq"])
 def test_checks_raise_naming_the_argument(name):
     """``nsa.checks``: in-contract ids give the op's result; an id the default mode would mask raises an error
     naming the argument (a device-side assert; on the CPU a RuntimeError)."""
@@ -193,7 +223,7 @@ sys.path.insert(0, "tests")
 import nsa_inductor
 from test_indices import _checks_cases
 assert "checks=on (NSA_INDUCTOR_CHECKS)" in nsa_inductor.describe()
-for name in ["store", "paged-table", "paged-context", "gather-cu"]:
+for name in ["store", "paged-table", "paged-context", "gather-cu", "slots", "slots-seq", "slots-table"]:
     fn, good, bad, argument = _checks_cases()[name]
     fn(*good)
     try:

@@ -19,12 +19,15 @@ import logging
 import torch
 
 from ..capability import aiter_refusal, capability
+from ..index_contract import python_index
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
 
 log = logging.getLogger("nsa_inductor")
 
 INT_TYPES = (torch.int32, torch.int64)
+# Ops that only copy fp8 bytes: Triton serves them for either fp8 type on every GPU.
+BYTE_COPIES = ("gather_k", "gather_k_slots")
 
 # Largest [rows, heads, keys] fp32 block the logits references materialise at once (1 GiB).
 MAX_SCORE_ELEMENTS = 1 << 28
@@ -165,7 +168,7 @@ def choose_backend(op: str, device: torch.device, fp8_dtype: torch.dtype | None,
 def _triton_unless_fnuz_on_nvidia(op: str, cap, fp8_dtype: torch.dtype | None) -> str:
     if not cap.use_triton:
         return "torch"
-    if cap.platform == "cuda" and fp8_dtype == torch.float8_e4m3fnuz and op != "gather_k":
+    if cap.platform == "cuda" and fp8_dtype == torch.float8_e4m3fnuz and op not in BYTE_COPIES:
         _log_once(f"nsa_inductor: nsa.{op} with float8_e4m3fnuz runs the torch reference on NVIDIA "
                   "(Triton has no fnuz fp8 type there)")
         return "torch"
@@ -221,7 +224,6 @@ def slots_of(block_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, pa
     """
     page_col = pos // page_size
     in_table = (page_col >= 0) & (page_col < block_table.shape[1])
-    page = block_table[seq, page_col.clamp(0, block_table.shape[1] - 1)].long()
-    page = torch.where(page < 0, page + num_pages, page)
-    readable = in_table & (page >= 0) & (page < num_pages)
+    page, readable = python_index(block_table[seq, page_col.clamp(0, block_table.shape[1] - 1)], num_pages)
+    readable &= in_table
     return torch.where(readable, page * page_size + pos % page_size, 0), readable

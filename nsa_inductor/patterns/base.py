@@ -32,9 +32,13 @@ class PassResult:
 
     matched: int = 0
     near_misses: list[dict[str, Any]] = field(default_factory=list)
+    taken_as_given: list[dict[str, Any]] = field(default_factory=list)  # per rewrite: facts it did not prove
 
     def miss(self, anchor: torch.fx.Node, reason: str) -> None:
         self.near_misses.append({"anchor": anchor.format_node(), "reason": reason})
+
+    def assume(self, anchor: torch.fx.Node, facts: list[str]) -> None:
+        self.taken_as_given.append({"anchor": anchor.format_node(), "facts": facts})
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,11 @@ class GraphPass:
         """Whether ``miss`` belongs in this pass's report (a look-alike that is plainly another idiom does not)."""
         return True
 
+    def taken_as_given(self, rewritten: Any) -> list[str]:
+        """The facts one rewrite (``rewritten``: what ``rewrite`` returned) took as given rather than proved, e.g.
+        the values of maps given as inputs; the report lists them."""
+        return []
+
     def finish(self, graph: torch.fx.Graph, rewritten: list[Any]) -> None:
         """Runs once after every candidate, with what each successful ``rewrite`` returned."""
 
@@ -86,6 +95,9 @@ class GraphPass:
                     result.miss(anchor, str(miss))
                 continue
             result.matched += 1
+            facts = self.taken_as_given(rewritten[-1])
+            if facts:
+                result.assume(anchor, facts)
         if rewritten:
             self.finish(graph, rewritten)
         return result

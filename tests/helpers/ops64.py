@@ -73,6 +73,27 @@ def slot_of(block_table: torch.Tensor, b: int, n: int, page_size: int) -> int:
     return int(block_table[b, n // page_size]) * page_size + n % page_size
 
 
+def slot_gather64(cache, positions, page_size, preshuffle, block_table=None, seq_ids=None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nsa.gather_k_slots`` modelled with Python lists: ``(value bytes uint8 [N, 128], scales float64 [N])``, each
+    id indexed as Python indexes a list (negative ids wrap), a row whose lookup raises IndexError zero."""
+    codes, scales = decode_cache(cache, page_size, preshuffle)
+    slots, pages = list(range(codes.shape[0])), list(range(cache.shape[0]))
+    rows = block_table.tolist() if block_table is not None else None
+    out_codes, out_scales = torch.zeros(len(positions), 128, dtype=torch.uint8), torch.zeros(len(positions),
+                                                                                             dtype=torch.float64)
+    for n, pos in enumerate(positions.tolist()):
+        try:
+            if rows is None:
+                slot = slots[pos]
+            else:
+                slot = pages[rows[int(seq_ids[n])][pos // page_size]] * page_size + pos % page_size
+        except IndexError:
+            continue
+        out_codes[n], out_scales[n] = codes[slot], scales[slot]
+    return out_codes, out_scales
+
+
 def paged_logits64(q, cache, weights, ctx, block_table, max_len, page_size, preshuffle) -> torch.Tensor:
     batch, next_n, heads, _ = q.shape
     codes, scales = decode_cache(cache, page_size, preshuffle)
@@ -163,6 +184,8 @@ def small_inputs() -> dict[str, tuple]:
         "quant_cache_store": (torch.randn(6, 128).bfloat16(), cache, torch.tensor([0, 3, -1, 17, 40, 63]), 16, True,
                               "ue8m0", FN),
         "gather_k": (cache, block_table, cu, 16, True, 24, FN),
+        "gather_k_slots": (cache, torch.tensor([5, 0, -1, 21, 6]), 16, True, FN, block_table,
+                           torch.tensor([0, 1, 1, 0, -2], dtype=torch.int32)),
         "paged_mqa_logits": (q, cache, weights, ctx, block_table, 40, 16, True),
         "mqa_logits": (random_fp8((6, 16, 128), FN, gen), k8, ks8, torch.randn(6, 16, generator=gen), ks, ke),
         "topk_indices": (torch.randn(4, 30, generator=gen), 7, torch.tensor([30, 3, 0, 12], dtype=torch.int32),

@@ -12,7 +12,7 @@ from nsa_inductor.indexer import hadamard_matrix
 from nsa_inductor.layout import KCacheLayout
 from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, assert_fp8_close, \
     assert_rows_close, assert_topk_valid, eager_topk_rows, integer_rows, \
-    head_gate_partials64, paged_logits64, random_fp8, random_paged_cache, ragged_logits64, topk_logits
+    head_gate_partials64, paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, topk_logits
 from helpers.guards import Guarded
 from helpers.reference64 import assert_logits_close
 
@@ -489,6 +489,37 @@ def test_gather_k_and_paged_logits_read_only_inside_the_cache(layout):
     want_k, want_scale = gather_ref.gather_k(cache.view, table, cu, page_size, preshuffle, n, FN)
     torch.cuda.synchronize()
     for guarded in (cache, out, out_k, out_scale):
+        guarded.assert_guards_intact()
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [FN, FNUZ])
+@pytest.mark.parametrize("by_sequence", [False, True])
+def test_gather_k_slots_exact_and_inside_the_cache(layout, dtype, by_sequence):
+    """An engine prefill's worth of tokens (8192 and an odd tail) by slot or by (sequence, position), ids in range,
+    wrapping and far outside: the reference's bytes in every output element (the outputs start as random bytes),
+    nothing read or written outside the cache and the outputs."""
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(14)
+    num_pages, n = 40, 8192 + 37
+    cache = Guarded((num_pages, page_size * 132), torch.uint8, gen, device=DEV,
+                    fill=random_cache(num_pages, page_size, dtype, gen).to(DEV))
+    if by_sequence:
+        batch, max_pages = 8, 6
+        table = _bad_ids(num_pages, batch * max_pages, gen)[: batch * max_pages].view(batch, max_pages).int()
+        extra = (table.to(DEV), _bad_ids(batch, n, gen)[:n].int().to(DEV))
+        positions = _bad_ids(max_pages * page_size, n, gen)[:n].to(DEV)
+    else:
+        extra, positions = (), _bad_ids(num_pages * page_size, n, gen)[:n].to(DEV)
+    out_k, out_scale = Guarded((n, 128), torch.uint8, gen, device=DEV), Guarded((n,), torch.float32, gen, device=DEV)
+    k, scale = _tk("gather_k_slots").gather_k_slots(cache.view, positions, page_size, preshuffle, dtype, *extra,
+                                                    out=(out_k.view.view(dtype), out_scale.view))
+    want_k, want_scale = _op_ref("gather_k_slots").gather_k_slots(cache.view, positions, page_size, preshuffle,
+                                                                  dtype, *extra)
+    torch.cuda.synchronize()
+    for guarded in (cache, out_k, out_scale):
         guarded.assert_guards_intact()
     assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))

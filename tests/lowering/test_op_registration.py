@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-OPS = ["gather_k", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store", "rotate_act_quant",
-       "topk_indices", "wk_gate_gemm"]
+OPS = ["gather_k", "gather_k_slots", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store",
+       "rotate_act_quant", "topk_indices", "wk_gate_gemm"]
 
 
 def test_import_registers_every_op_without_triton_or_aiter():

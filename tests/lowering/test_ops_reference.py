@@ -13,7 +13,7 @@ import nsa_inductor  # noqa: F401  (registers torch.ops.nsa)
 from nsa_inductor.lowering.topk_indices import PADS
 from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
     assert_rows_close, assert_topk_valid, decode_cache, eager_topk_rows, head_gate_partials64, head_gate_weight64, paged_logits64, quant64, ragged_logits64, \
-    random_fp8, random_paged_cache, slot_of, small_inputs, tie_weights, topk_case
+    random_fp8, random_paged_cache, slot_gather64, slot_of, small_inputs, tie_weights, topk_case
 from helpers.reference64 import assert_logits_close
 
 LAYOUTS = [(1, False), (16, False), (64, False), (16, True), (32, True), (64, True)]
@@ -145,6 +145,35 @@ def test_gather_k_matches_decoded_cache(layout, lengths, spare, dtype, seed):
             assert torch.equal(k[row].view(torch.uint8), codes[slot]), f"seq {b} token {n}"
             assert scale[row].item() == scales[slot].item()
     assert not k[total:].view(torch.uint8).any() and not scale[total:].any(), "rows past cu_seqlens[-1] not zero"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gather_k_slots
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(layout=st.sampled_from(LAYOUTS), by_sequence=st.booleans(), n=st.sampled_from([0, 1, 7, 30]),
+       int64=st.booleans(), dtype=st.sampled_from([FN, FNUZ]), seed=st.integers(0, 2**31 - 1))
+def test_gather_k_slots_matches_list_indexing(layout, by_sequence, n, int64, dtype, seed):
+    """Ids in range, negative ones wrapping, and out of range (zero rows), by slot and by sequence and position."""
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    cache, block_table = random_paged_cache([40, 17, 5], page_size, dtype, gen, spare_pages=2)
+    id_type = torch.int64 if int64 else torch.int32
+    if by_sequence:
+        span = block_table.shape[1] * page_size
+        args = (block_table.to(id_type), torch.randint(-4, 4, (n,), generator=gen, dtype=id_type))
+        positions = torch.randint(-span - 3, span + 3, (n,), generator=gen, dtype=id_type)
+    else:
+        num_slots = cache.shape[0] * page_size
+        args = ()
+        positions = torch.randint(-num_slots - 3, num_slots + 3, (n,), generator=gen, dtype=id_type)
+    k, scale = torch.ops.nsa.gather_k_slots(cache, positions, page_size, preshuffle, dtype, *args)
+    assert k.shape == (n, 128) and k.dtype == dtype and scale.shape == (n,) and scale.dtype == torch.float32
+    codes, scales = slot_gather64(cache, positions, page_size, preshuffle, *args)
+    assert torch.equal(k.view(torch.uint8), codes)
+    assert torch.equal(scale.double(), scales)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,7 +377,8 @@ def test_head_gate_gemm_round_weight_needs_fp32_weight():
 
 
 @pytest.mark.parametrize(
-    "name", ["quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", "topk_indices", "head_gate_gemm",
+    "name", ["quant_cache_store", "gather_k", "gather_k_slots", "paged_mqa_logits", "mqa_logits", "topk_indices",
+             "head_gate_gemm",
              "wk_gate_gemm"]
 )
 def test_opcheck(name):
@@ -368,6 +398,8 @@ def test_fake_shapes():
         assert torch.ops.nsa.quant_cache_store(*fake["quant_cache_store"]) is None
         k, s = torch.ops.nsa.gather_k(*fake["gather_k"])
         assert (k.shape, k.dtype, s.shape, s.dtype) == ((24, 128), FN, (24,), torch.float32)
+        k, s = torch.ops.nsa.gather_k_slots(*fake["gather_k_slots"])
+        assert (k.shape, k.dtype, s.shape, s.dtype) == ((5, 128), FN, (5,), torch.float32)
         out = torch.ops.nsa.paged_mqa_logits(*fake["paged_mqa_logits"])
         assert (out.shape, out.dtype) == ((4, 40), torch.float32)
         out = torch.ops.nsa.mqa_logits(*fake["mqa_logits"])
@@ -424,6 +456,11 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("quant_cache_store", 6, torch.bfloat16, r"fp8_dtype must be one of"),
         ("gather_k", 1, torch.zeros(2, 2, dtype=torch.int64), r"block_table must be int32 \[B, max_pages\], got int64"),
         ("gather_k", 2, torch.zeros(4, dtype=torch.int32), r"cu_seqlens must be int32 \[B\+1=3\].* got int32 \[4\]"),
+        ("gather_k_slots", 1, torch.zeros(5, 1, dtype=torch.int64),
+         r"positions must be int32 or int64 \[N\], got int64 \[5, 1\]"),
+        ("gather_k_slots", 6, torch.zeros(4, dtype=torch.int32),
+         r"seq_ids must be .*\[N=5\] \(N of positions\), got int32 \[4\]"),
+        ("gather_k_slots", 6, None, r"block_table and seq_ids go together: give both"),
         ("paged_mqa_logits", 0, torch.zeros(2, 2, 32, 128), r"q_fp8 must be float8_e4m3fn or float8_e4m3fnuz"),
         ("paged_mqa_logits", 2, torch.zeros(2, 32),
          r"weights must be float32 \[B\*next_n=4, H=32\] \(B, next_n, H of q_fp8\), got .*\[2, 32\]"),

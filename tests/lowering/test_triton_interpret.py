@@ -205,6 +205,64 @@ def test_gather_k_reads_only_inside_the_cache(pages, lengths, first, decreasing,
         assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
 
 
+def _slot_gather_ids(by_sequence: bool, n: int, num_pages: int, page_size: int, gen: torch.Generator):
+    """``(positions, extra args)`` of ``nsa.gather_k_slots``: ids in range, wrapping and out of range."""
+    if not by_sequence:
+        num_slots = num_pages * page_size
+        return torch.randint(-num_slots - 3, num_slots + 3, (n,), generator=gen), ()
+    table = torch.randint(-num_pages - 1, num_pages + 1, (3, 2), generator=gen, dtype=torch.int32)
+    seq_ids = torch.randint(-4, 4, (n,), generator=gen, dtype=torch.int32)
+    positions = torch.randint(-2 * page_size - 3, 2 * page_size + 3, (n,), generator=gen, dtype=torch.int32)
+    return positions, (table, seq_ids)
+
+
+@child_only
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("by_sequence", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_gather_k_slots_matches_reference(layout, by_sequence, n):
+    """Every output element written (poisoned outputs), the reference's bytes for every kind of id."""
+    from nsa_inductor.lowering.gather_k_slots import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(n)
+    cache = random_cache(4, page_size, FN, gen)
+    positions, extra = _slot_gather_ids(by_sequence, n, 4, page_size, gen)
+    poisoned = (torch.full((n, 128), 0x7F, dtype=torch.uint8).view(FN), torch.full((n,), float("nan")))
+    k, scale = _kernels("gather_k_slots").gather_k_slots(cache, positions, page_size, preshuffle, FN, *extra,
+                                                          out=poisoned)
+    want_k, want_scale = reference.gather_k_slots(cache, positions, page_size, preshuffle, FN, *extra)
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+
+
+@child_only
+@HYP
+@given(ids=st.lists(bad_ids(64), min_size=1, max_size=9), seq=st.lists(bad_ids(3), min_size=9, max_size=9),
+       pages=st.lists(bad_ids(4), min_size=6, max_size=6), by_sequence=st.booleans(), layout=st.sampled_from(LAYOUTS),
+       seed=st.integers(0, 99))
+def test_gather_k_slots_reads_only_inside_the_cache(ids, seq, pages, by_sequence, layout, seed):
+    """Slots, sequence ids, positions and page ids at and past every edge (int32 extremes included): the
+    reference's rows (zero where eager would raise), nothing read or written outside the cache and the outputs."""
+    from nsa_inductor.lowering.gather_k_slots import reference
+
+    page_size, preshuffle = layout
+    gen = torch.Generator().manual_seed(seed)
+    cache = Guarded((4, page_size * 132), torch.uint8, gen)
+    positions = torch.tensor(ids, dtype=torch.int32)
+    extra = (torch.tensor(pages, dtype=torch.int32).view(3, 2), torch.tensor(seq[: len(ids)], dtype=torch.int32)) \
+        if by_sequence else ()
+    n = len(ids)
+    out_k, out_scale = Guarded((n, 128), torch.uint8, gen), Guarded((n,), torch.float32, gen)
+    k, scale = _kernels("gather_k_slots").gather_k_slots(cache.view, positions, page_size, preshuffle, FN, *extra,
+                                                          out=(out_k.view.view(FN), out_scale.view))
+    for guarded in (cache, out_k, out_scale):
+        guarded.assert_guards_intact()
+    want_k, want_scale = reference.gather_k_slots(cache.view, positions, page_size, preshuffle, FN, *extra)
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+
+
 @child_only
 @HYP
 @given(pages=st.lists(bad_ids(3), min_size=4, max_size=4), ctx=st.lists(st.integers(0, 70), min_size=2, max_size=2),

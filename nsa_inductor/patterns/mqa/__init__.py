@@ -1,7 +1,9 @@
 """The MQA-logits rewrites: plain-torch masked ``Σ_h w * relu(q·k) * k_scale`` logits, proven by probing
 (``probe.py``, ``proofs.py``), become ``nsa.paged_mqa_logits`` (decode, ``paged.py``) or ``nsa.mqa_logits``
 (prefill, ``ragged.py``). Both passes share one analysis per candidate; a near miss whose family cannot be told is
-reported by both. The layout is the guard's format with the K cache's own page size (:func:`graph_cache_layout`)."""
+reported by both. The layout is the guard's format with the K cache's own page size (:func:`graph_cache_layout`).
+A third pass, ``slot_gather.py``, puts the prefill op's K, where the model gathered it from the cache through maps
+given as inputs, on ``nsa.gather_k_slots``."""
 
 from __future__ import annotations
 

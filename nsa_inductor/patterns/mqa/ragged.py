@@ -10,8 +10,9 @@ Matches, once :func:`~.proofs.analyze` proves it by probing::
     #     the mask ks[t] <= n < ke[t] (or n < ke[t]) with ks, ke graph inputs (metadata an engine precomputed)
 
 Rewrites to ``nsa.mqa_logits(q8, k8, k_scale, w, ks, ke)``: ``k8, k_scale`` from ``nsa.gather_k(cache, ...)`` for a
-proven cache read (else the model's own gathered tensors, whose gather stays); ``ks, ke`` the input bounds, or
-``ks = cu[searchsorted(cu[1:], t, right)]`` and ``ke = t + 1`` computed in the graph.
+proven cache read (else the model's own gathered tensors: this pass leaves their gather, which ``gather_k_slots``
+may then replace); ``ks, ke`` the input bounds, or ``ks = cu[searchsorted(cu[1:], t, right)]`` and ``ke = t + 1``
+computed in the graph.
 Never: bounds or maps given as inputs in another form than per-row ``ks``/``ke`` (a token -> sequence map given as
 data is not known to be monotone), K read through maps given as data and not gathered into a plain tensor.
 """
