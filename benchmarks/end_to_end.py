@@ -89,20 +89,21 @@ def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False, r
     eager_batch = batch.clone()
     with torch.no_grad():
         eager_out = fn(*eager_batch.args)
+    # torch.compile takes mode or options, not both: the mode's Inductor options travel with the nsa ones.
+    mode_options = torch._inductor.list_mode_options(mode) if mode else {}
+
+    def nsa(extra: dict):
+        return torch.compile(fn, backend="nsa_rocm", options={**options, **extra, **mode_options})
+
     variants = {
         "eager": fn,
         "inductor": torch.compile(fn, backend="inductor", mode=mode),
-        # torch.compile takes mode or options, not both: the mode's Inductor options travel with the nsa ones.
-        # nsa_checks: the same with the index checks' device-side asserts (their cost; before nsa_rocm, whose pass
-        # report is the one printed).
-        "nsa_checks": torch.compile(fn, backend="nsa_rocm", options={
-            **options, "nsa.checks": True, **(torch._inductor.list_mode_options(mode) if mode else {})}),
-        # nsa_no_slot_gather: without the gather_k_slots pass (Inductor gathers the engine's K): that pass's share
-        "nsa_no_slot_gather": torch.compile(fn, backend="nsa_rocm", options={
-            **options, "nsa.disable_passes": ["gather_k_slots"],
-            **(torch._inductor.list_mode_options(mode) if mode else {})}),
-        "nsa_rocm": torch.compile(fn, backend="nsa_rocm",
-                                  options={**options, **(torch._inductor.list_mode_options(mode) if mode else {})}),
+        # nsa_checks: with the index checks' device-side asserts (their cost); nsa_no_slot_gather: without the
+        # gather_k_slots pass (Inductor gathers the engine's K: that pass's share). Both before nsa_rocm, whose pass
+        # report is the one printed.
+        "nsa_checks": nsa({"nsa.checks": True}),
+        "nsa_no_slot_gather": nsa({"nsa.disable_passes": ["gather_k_slots"]}),
+        "nsa_rocm": nsa({}),
     }
     reports_before = nsa_inductor.last_reports()
     rows = []
