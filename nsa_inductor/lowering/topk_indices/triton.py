@@ -407,9 +407,10 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
 
 
 def radix_for(rows: int, n_cols: int, k: int) -> bool:
-    """Whether rows go through the radix pre-filter: few rows (one program per row would leave SMs idle, and count
-    ~20 times in a row) long enough that the boundary bin holds few of their columns (BENCHMARKS.md, top-k)."""
-    return rows <= RADIX_MAX_ROWS and n_cols >= 4096 and 2 * k <= n_cols
+    """Whether rows go through the radix pre-filter: few rows (one program per row would leave SMs idle) that are
+    long (16K+ columns: the row path's segments then merge k candidates each) or very few (<= 16 rows of 4K+
+    columns); between those the row path is as fast in one launch (BENCHMARKS.md, top-k)."""
+    return rows <= RADIX_MAX_ROWS and 2 * k <= n_cols and (n_cols >= 16384 or (rows <= 16 and n_cols >= 4096))
 
 
 def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
@@ -485,7 +486,7 @@ def _radix_topk(logits, k, lengths, offset, out, flags, block, segment, capacity
                                             HAS_OFFSET=flags["HAS_OFFSET"], SEGMENT=segment,
                                             SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), num_warps=4)
     _radix_select_kernel[(rows,)](logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride, k,
-                                  capacity, BLOCK=block, num_warps=num_warps or 8, **flags)
+                                  capacity, BLOCK=block, num_warps=num_warps or 4, **flags)
 
 
 def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
