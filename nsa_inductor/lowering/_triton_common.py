@@ -38,11 +38,18 @@ def interpreted(kernel) -> bool:
 
 
 @triton.jit
+def wrapped_index(index, ok, size):
+    """An id as eager's indexing reads it, and where it may be read (docs/indices.md): ids in ``[-size, 0)`` wrap
+    like Python indices, ids outside ``[-size, size)`` are not read. Only for loads masked with ``ok``."""
+    index = tl.where(index < 0, index + size, index)
+    return index, ok & (index >= 0) & (index < size)
+
+
+@triton.jit
 def readable_page(page, ok, num_pages):
-    """A block-table entry as a page to read, and where it may be read (docs/indices.md): ids in
-    ``[-num_pages, 0)`` wrap like Python indices, ids outside ``[-num_pages, num_pages)`` are not read."""
-    page = tl.where(page < 0, page + num_pages, page)
-    ok = ok & (page >= 0) & (page < num_pages)
+    """``wrapped_index`` with the ids that may not be read replaced by 0, for addresses also used unmasked (the
+    paged logits kernel keeps the unclamped id: the clamp slowed it, BENCHMARKS.md "Paged logits: the page check")."""
+    page, ok = wrapped_index(page, ok, num_pages)
     return tl.where(ok, page, 0), ok
 
 

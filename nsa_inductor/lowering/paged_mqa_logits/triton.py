@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, next_power_of_2, readable_page, scale_offsets, value_offsets
+from .._triton_common import cdiv, next_power_of_2, scale_offsets, value_offsets, wrapped_index
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _paged_mqa_logits_kernel(
     Per BLOCK_N keys: ``scores[s, (j,h)] = k8[s] . q8[b,j,h]`` in one fp8 dot (keys are the M side, so the head
     sum is a reduction along the dot's N side: mostly within a thread), then
     ``logit[s, j] = sum_h w[j,h] * relu(scores * k_scale[s])``; chunks wholly past the context only store -inf, and
-    keys on an unreadable page (docs/indices.md) are -inf (read from page 0, never outside the cache).
+    keys on an unreadable page (docs/indices.md) are -inf, never loaded.
     """
     b = tl.program_id(0)
     start = tl.program_id(1) * CHUNK
@@ -101,19 +101,16 @@ def _paged_mqa_logits_kernel(
         w = w * w_scale
         limit = ctx - next_n + jj
         visible_end = tl.minimum(start + CHUNK, ctx)
-        table_cols = tl.where(num_pages > 0, max_pages, 0)  # (an empty cache: no page to read at all)
         for n0 in tl.range(start, visible_end, BLOCK_N):
             s = n0 + tl.arange(0, BLOCK_N)
             page_col = s // PAGE_SIZE
-            in_table = (s < ctx) & (page_col < table_cols)
+            in_table = (s < ctx) & (page_col < max_pages)
             page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + page_col, mask=in_table, other=0)
-            # An unreadable page id reads page 0 (in bounds) and its logits are masked below: the loads' masks stay
-            # independent of the block table's values (a mask that depends on them cost 13% at B=64).
-            page, load_ok = readable_page(page, in_table, num_pages)
+            page, load_ok = wrapped_index(page, in_table, num_pages)
             pos = s % PAGE_SIZE
             k = tl.load(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
-                        mask=in_table[:, None], other=0.0)
-            k_scale = tl.load(scales_ptr + scale_offsets(page, pos, PAGE_SIZE), mask=in_table, other=0.0)
+                        mask=load_ok[:, None], other=0.0)
+            k_scale = tl.load(scales_ptr + scale_offsets(page, pos, PAGE_SIZE), mask=load_ok, other=0.0)
             scores = tl.dot(k, tl.trans(q))
             scores = tl.maximum(scores * k_scale[:, None], 0.0) * w[None, :]
             if NEXT_N == 1:
