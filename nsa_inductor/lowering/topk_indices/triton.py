@@ -1,11 +1,14 @@
-"""Triton kernel of ``nsa.topk_indices``: a bisection select on order-preserving integer keys.
+"""Triton kernels of ``nsa.topk_indices``: a bisection select on order-preserving integer keys, one program per row,
+and for few long rows a radix pre-filter spread over many programs.
 
-Why this shape: the cost of a row is the number of CTA-wide counts, not bytes (a row of 8192 fp32 is 32 KB). A row
-of up to ``MAX_BLOCK`` columns stays in one program's registers; each step is one compare-and-count, and the search
-stops as soon as the keys at or above the bound are exactly the ones wanted. A longer row is split: one program per
-segment of ``MAX_BLOCK`` columns selects that segment's top k (in registers), then one program per row selects the
-top k of those candidates; the top k of a row is among its segments' top k, and no program waits on another (two
-launches, safe under CUDA-graph capture). Per-phase costs on the H200 are in BENCHMARKS.md.
+Why two paths: the cost of a row is its number of CTA-wide counts, not its bytes (a row of 8192 fp32 is 32 KB).
+Many rows fill the GPU with one program per row: a row of up to ``MAX_BLOCK`` columns stays in registers, each step
+is one compare-and-count, and the search stops as soon as the keys at or above the bound are exactly the ones
+wanted (a longer row is split: one program per segment selects its top k, then one per row selects among those).
+Few rows would leave most SMs idle and count ~20 times in a row, so they take the radix path: a histogram of an
+8-bit digit per segment, the columns above the boundary bin written at once and those in it compacted, then one
+program per row selects the rest among a few hundred candidates. No program waits on another (separate launches,
+safe under CUDA-graph capture). Costs of both on the H200: BENCHMARKS.md, top-k.
 """
 
 from __future__ import annotations
