@@ -10,9 +10,9 @@
 # script started, the rest are listed as not run; SWEEP_CELLS picks cells (e.g. "B1,prefill"), SWEEP_ARGS adds
 # options, SWEEP_PREVIOUS=path/sweep.json (a file in the working tree) is appended to. Results: $OUT/sweep/.
 # host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`).
-# decode: GPU tests, the top-k and paged-logits cells, CUDA-graph decode steps with every input at a fixed address
-# (as engines run them: no input copies) at B=64 ctx 8192 (eager, Inductor, nsa_rocm with and without nsa.checks), B=8
-# and B=1 ctx 32768; GPU time per kernel of the B=64 step (profile_decode.py).
+# decode: GPU tests, the top-k and paged-logits cells, decode steps as engines run them (`--graph-replay`: ten steps
+# captured in one CUDA graph by hand) at B=64 ctx 8192 in torch's order and set order, B=8, B=1 ctx 32768; GPU time
+# per kernel of the B=64 and B=1 steps (profile_decode.py).
 # engine: the engine-fed indexer (metadata as inputs): prefill T=8192 (also without the gather_k_slots pass) and a
 # CUDA-graph decode, eager vs nsa_rocm.
 set -uo pipefail
@@ -70,14 +70,14 @@ case "$mode" in
   host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3 ;;
   decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \
             | tee "$OUT/bench.log" | tail -n 5
-          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs \
-            --variants eager,inductor,nsa_checks,nsa_rocm --out "$OUT/e2e_b64" 2>&1 \
-            | tee "$OUT/e2e_b64.log" | tail -n 6
-          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --batch 8 \
-            --variants inductor,nsa_rocm --out "$OUT/e2e_b8" 2>&1 | tee "$OUT/e2e_b8.log" | tail -n 4
-          python3 benchmarks/end_to_end.py --prefill 0 --cuda-graphs --static-inputs --batch 1 --ctx 32768 \
-            --variants inductor,nsa_rocm --out "$OUT/e2e_b1" 2>&1 | tee "$OUT/e2e_b1.log" | tail -n 4
-          python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/profile_decode.log" | tail -n 16 ;;
+          for cell in "64 8192 sorted" "64 8192 set" "8 8192 sorted" "1 32768 sorted"; do
+            set -- $cell
+            python3 benchmarks/end_to_end.py --prefill 0 --graph-replay --batch "$1" --ctx "$2" --topk-order "$3" \
+              --variants inductor,nsa_rocm --out "$OUT/e2e_b$1_$3" 2>&1 | tee "$OUT/e2e_b$1_$3.log" \
+              | grep -E '^decode '
+          done
+          python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/profile_b64.log" | tail -n 14
+          python3 benchmarks/profile_decode.py --batch 1 --ctx 32768 2>&1 | tee "$OUT/profile_b1.log" | tail -n 16 ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \

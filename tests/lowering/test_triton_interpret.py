@@ -375,21 +375,26 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
        kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
        sorted_=st.booleans(), with_lengths=st.booleans(), segment=st.sampled_from([16, 32]),
        block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]), sort_chunk=st.sampled_from([4, 16]),
-       seed=st.integers(0, 99))
+       merge_part=st.sampled_from([4, 64]), seed=st.integers(0, 99))
 def test_topk_indices_radix_path_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, segment,
-                                                     block, capacity, sort_chunk, seed):
+                                                     block, capacity, sort_chunk, merge_part, seed):
     """The radix path (digit histogram per segment, compaction, select among the boundary bin's candidates) on the
     same rows: candidates held in registers, streamed, or overflowing their buffer (the row selected again); sorted
-    by chunks of 4 or 16 entries merged by rank; the output's neighbours untouched."""
+    by chunks of 4 or 16 entries merged by rank, a chunk's entries placed by one program or by parts of 4; the
+    output's neighbours untouched."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
         if with_lengths else None
     offset = -torch.arange(rows)
     guarded = torch.full((rows + 2, k), 12345, dtype=torch.int32)
-    got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1],
-                                                block=block, radix=True, segment=segment, capacity=capacity,
-                                                sort_chunk=sort_chunk)
+    tk = _kernels("topk_indices")
+    default_part, tk.MERGE_PART = tk.MERGE_PART, merge_part
+    try:
+        got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, radix=True,
+                              segment=segment, capacity=capacity, sort_chunk=sort_chunk)
+    finally:
+        tk.MERGE_PART = default_part
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
     assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 

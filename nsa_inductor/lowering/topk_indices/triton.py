@@ -37,7 +37,11 @@ RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_
 # it selects from the row itself).
 RADIX_MAX_ROWS = 128
 RADIX_CAPACITY = 16384
-SORT_CHUNK = 256  # entries per program of the two-launch sort (the radix path's sorted order)
+# The two-launch sort (the radix path's sorted order): entries per chunk sorted in registers, and per program that
+# places them (a quarter chunk: with one program per chunk the merge was a B=1 step's slowest kernel, BENCHMARKS.md;
+# the split is not measured yet).
+SORT_CHUNK = 256
+MERGE_PART = 64
 
 
 @triton.jit
@@ -221,19 +225,20 @@ def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, str
 
 
 @triton.jit
-def _merge_chunks_kernel(sorted_chunks, out, k, n_chunks, CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-                         SEARCH_STEPS: tl.constexpr):
-    """Program (row, c): each entry of sorted chunk c goes to its rank in the row, its position in c plus, per other
-    chunk, the entries above it there (a binary search; equal keys, the -1 entries, count as above in earlier
-    chunks); the ranks are a permutation of the row's slots."""
+def _merge_chunks_kernel(sorted_chunks, out, k, n_chunks, CHUNK: tl.constexpr, PART: tl.constexpr,
+                         CHUNKS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Program (row, c, p): each entry of part p (PART entries) of sorted chunk c goes to its rank in the row, its
+    position in c plus, per other chunk, the entries above it there (a binary search; equal keys, the -1 entries,
+    count as above in earlier chunks); the ranks are a permutation of the row's slots. (Parts: more programs, each
+    with fewer searches in flight, where there are few rows.)"""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     base = sorted_chunks + row * n_chunks * CHUNK
-    pos = tl.arange(0, CHUNK)
+    pos = tl.program_id(2) * PART + tl.arange(0, PART)
     mine = tl.load(base + chunk * CHUNK + pos)
     other = tl.arange(0, CHUNKS_POW2)
     searched = (other < n_chunks) & (other != chunk)
-    lo = tl.zeros((CHUNK, CHUNKS_POW2), tl.int32)
+    lo = tl.zeros((PART, CHUNKS_POW2), tl.int32)
     hi = tl.where(searched, CHUNK, 0)[None, :] + lo
     for _ in tl.static_range(SEARCH_STEPS):  # the prefix of chunk `other` above `mine`: its length in [0, CHUNK]
         mid = (lo + hi) >> 1
@@ -281,7 +286,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
 @triton.jit
 def _radix_digit(x):
     """Radix bin of x in [3, 255], monotone in ``_order_key``'s order: the top byte of the 16-bit order key of x
-    rounded to fp16 (a quarter octave per bin; -inf and values below fp16's range in bin 3, NaN in 255). Bins 0-2
+    rounded to fp16 (a quarter octave per bin; -inf and values under -65504 in bin 3, NaN in 255). Bins 0-2
     hold no value: the kernels put positions without a column there."""
     h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     key = h ^ ((h >> 15) & 0x7FFF)  # signed, ordered like the fp16 values
@@ -501,9 +506,10 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     sorted_chunks = torch.empty(rows, n_chunks, chunk, dtype=torch.int64, device=logits.device)
     _sort_chunks_kernel[(rows, n_chunks)](logits, lengths, offset, out, sorted_chunks, n_cols, logits.stride(0), k,
                                           n_chunks, CHUNK=chunk, num_warps=4, **flags)
-    _merge_chunks_kernel[(rows, n_chunks)](sorted_chunks, out, k, n_chunks, CHUNK=chunk,
-                                           CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(),
-                                           num_warps=4)
+    part = min(chunk, MERGE_PART)
+    _merge_chunks_kernel[(rows, n_chunks, chunk // part)](sorted_chunks, out, k, n_chunks, CHUNK=chunk, PART=part,
+                                                          CHUNKS_POW2=next_power_of_2(n_chunks),
+                                                          SEARCH_STEPS=chunk.bit_length(), num_warps=4)
 
 
 def _sort_after(logits, lengths, offset, pad, out):
