@@ -5,6 +5,7 @@ outside the slots the step writes changes. Under ``nsa.checks`` the same step ra
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -14,7 +15,8 @@ from hypothesis import strategies as st
 
 from nsa_inductor.workload import Batch, decode_batch
 from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, compile_indexer, compiled
-from helpers.pass_helpers import assert_matches_eager
+from helpers.pass_helpers import assert_k_cache_matches, assert_matches_eager
+from helpers.reference64 import assert_logits_close, topk_sets_valid
 
 LAYOUT = LAYOUTS["paged"]
 NUM_SLOTS = CACHE_SLOTS
@@ -25,14 +27,16 @@ def _written(slots: torch.Tensor) -> torch.Tensor:
     return torch.tensor(sorted({int(s) for s in slots if 0 <= s < NUM_SLOTS}), dtype=torch.long)
 
 
-@settings(max_examples=8)
-@given(lens=st.lists(st.sampled_from([0, 1, 15, 16, 17, 33, 48]), min_size=4, max_size=4),
-       slot_edit=st.sampled_from(["none", "shared", "padding", "past-cache"]), wrap=st.booleans(),
-       seed=st.integers(0, 999))
-def test_decode_step_matches_eager(lens, slot_edit, wrap, seed):
-    eager_fn, compiled_fn, _ = compiled("deepseek_v32", "paged", "decode")  # B=4, next_n=1, max_len=48 as here
+STEPS = dict(lens=st.lists(st.sampled_from([0, 1, 15, 16, 17, 33, 48]), min_size=4, max_size=4),
+             slot_edit=st.sampled_from(["none", "shared", "padding", "past-cache"]), wrap=st.booleans(),
+             seed=st.integers(0, 999))
+
+
+def _check_step(eager_fn, compiled_fn, lens, slot_edit, wrap, seed, device="cpu"):
+    """One edited decode batch (B=4, next_n=1, max_len=48 as the shared model's): compiled as eager, and no byte
+    outside the slots the step writes changed."""
     batch = decode_batch(CONFIGS["deepseek_v32"], LAYOUT, lens, next_n=1, max_len=48, seed=seed,
-                         cache_pages=NUM_SLOTS // LAYOUT.page_size)
+                         cache_pages=NUM_SLOTS // LAYOUT.page_size, device=device)
     args = list(batch.args)
     slots = args[3].clone()
     if slot_edit == "shared":
@@ -45,16 +49,49 @@ def test_decode_step_matches_eager(lens, slot_edit, wrap, seed):
     if wrap:
         args[5] = args[5] - args[4].shape[0]  # every page id p as p - num_pages: eager reads the same pages
     batch = Batch(*args)
-    assert_matches_eager(eager_fn, compiled_fn, batch)
+    if device == "cpu":
+        assert_matches_eager(eager_fn, compiled_fn, batch)
+    else:  # the GPU's fp8 dots sum in another order: near-tied keys may swap, so the top k of the compiled logits
+        eager, comp = batch.clone(), batch.clone()
+        with torch.no_grad():
+            logits, _ = eager_fn(*eager.args)
+            c_logits, c_topk = compiled_fn(*comp.args)
+        assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping, LAYOUT)
+        assert_logits_close(c_logits, logits)
+        topk_sets_valid(c_logits, c_topk, c_topk.shape[1])
     after = batch.clone()
     with torch.no_grad():
         compiled_fn(*after.args)
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
-    untouched[_written(slots)] = False
+    untouched[_written(slots.cpu())] = False
     every = torch.arange(NUM_SLOTS)[untouched]
-    for before, now in zip(LAYOUT.load(batch.kv_cache, every, torch.float8_e4m3fn),
-                           LAYOUT.load(after.kv_cache, every, torch.float8_e4m3fn)):
+    for before, now in zip(LAYOUT.load(batch.kv_cache.cpu(), every, torch.float8_e4m3fn),
+                           LAYOUT.load(after.kv_cache.cpu(), every, torch.float8_e4m3fn)):
         assert torch.equal(before.view(torch.uint8), now.view(torch.uint8)), "a slot the step does not write changed"
+
+
+@settings(max_examples=8)
+@given(**STEPS)
+def test_decode_step_matches_eager(lens, slot_edit, wrap, seed):
+    eager_fn, compiled_fn, _ = compiled("deepseek_v32", "paged", "decode")
+    _check_step(eager_fn, compiled_fn, lens, slot_edit, wrap, seed)
+
+
+@functools.cache
+def _gpu_decode():
+    """The shared model's decode on the GPU (the Triton kernels), compiled once."""
+    eager_fn, _, _ = compiled("deepseek_v32", "paged", "decode")
+    model = copy.deepcopy(eager_fn.__self__).cuda()
+    options = {"nsa.layout": "paged", "nsa.page_size": LAYOUT.page_size}
+    return model.decode, compile_indexer(model.decode, options)
+
+
+@pytest.mark.gpu
+@settings(max_examples=200)
+@given(**STEPS)
+def test_decode_step_matches_eager_on_gpu(lens, slot_edit, wrap, seed):
+    """The larger sweep, on the GPU's kernels (cache bytes within the bound of the reordering passes)."""
+    _check_step(*_gpu_decode(), lens, slot_edit, wrap, seed, device="cuda")
 
 
 @functools.cache
