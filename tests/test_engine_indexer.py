@@ -1,9 +1,11 @@
 """The engine-fed indexer (metadata as inputs: ks/ke, per-row lengths, seq ids, positions, slot mapping; K gathered by
-the model itself) compiled with nsa_rocm: every pass's count, compiled equals eager, and near misses for look-alikes
-(bounds off by one, ``<=`` where ``<`` is needed, a token -> sequence map that would have to be monotone)."""
+the model itself, by sequence and position or by flat slot id) compiled with nsa_rocm: every pass's count, compiled
+equals eager, and near misses for look-alikes (bounds off by one, ``<=`` where ``<`` is needed, a token -> sequence
+map that would have to be monotone)."""
 
 import json
 import pathlib
+import re
 import tempfile
 
 import pytest
@@ -123,6 +125,43 @@ def test_one_sequence(entry):
     for report in [json.loads(p.read_text()) for p in sorted(dump_dir.glob("*/report.json"))]:
         matched = {p["name"]: p["matched"] for p in report["passes"]}
         assert matched == EXPECTED_MATCHES[entry], f"{report['graph']}: {report['passes']}"
+
+
+class SlotGathered(EngineIndexer):
+    """Prefill reading the batch's keys back through the slot mapping its store just wrote, one flat slot id per token
+    as vLLM/SGLang indexers do: ``values[slot // P, slot % P]`` on the page views, the store's own spelling
+    (``values.view(-1, 128)[slot]`` is no view here: each row-major page ends with its P scales)."""
+
+    def _batch_keys(self, kv_cache, positions, slot_mapping, block_table, seq_ids):
+        values, scales = self._pages(kv_cache)
+        page, pos = slot_mapping // self.page_size, slot_mapping % self.page_size
+        return values[page, pos].view(self.cfg.fp8_dtype), scales[page, pos]
+
+
+def test_gather_by_flat_slots():
+    """The flat-slot form compiled end to end: nsa.gather_k_slots by slot (no block table, no seq ids) on the slot
+    mapping, every other pass as for the engine's prefill; compiled equals eager on two batches of 28 tokens (one
+    graph: this entry reads neither the block table nor the seq ids), with and without a padding token."""
+    model = engine_model(16, SlotGathered)
+    compiled_fn, dump_dir = compile_entry(model.prefill, {"nsa.layout": "paged", "nsa.page_size": 16})
+    runs = [batches("prefill", 16)[0],
+            engine_prefill_batch(CONFIG, 16, [20, 8], padding_tokens=0, cache_slots=CACHE_SLOTS, seed=6)]
+    for batch in runs:
+        assert_matches_eager(model.prefill, compiled_fn, batch, prepare=static)
+    graphs = sorted(p for p in dump_dir.iterdir() if p.is_dir())
+    assert len(graphs) == 1, graphs
+    for g in graphs:
+        matched = {p["name"]: p["matched"] for p in json.loads((g / "report.json").read_text())["passes"]}
+        assert matched == EXPECTED_MATCHES["prefill"], f"{g.name}: {matched}"
+        before, after = pass_graphs(g, "gather_k_slots")
+        assert count_ops(before, "nsa.gather_k_slots") == 0 and count_ops(after, "nsa.gather_k_slots") == 1
+        assert count_ops(after, "aten.index") <= count_ops(before, "aten.index") - 2  # K, k_scale
+        # by slot (no block table, no seq ids), through the very slots the store wrote (wrapped as Python wraps them)
+        (slots,) = re.findall(r"nsa\.gather_k_slots\.default\(\w+, (\w+), 16, False, torch\.float8_\w+\)", after)
+        (stored,) = re.findall(r"nsa\.quant_cache_store\.default, .*?slot_mapping = (\w+)", after)
+        assert stored == slots or re.search(rf"\b{stored} = .*\b{slots}\b", after), (slots, stored)
+        (given,) = pass_entry(g, "gather_k_slots")["taken_as_given"]
+        assert given["facts"][0].startswith(f"key n is read at slot {slots}[n]"), given
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -111,14 +111,18 @@ class EngineIndexer(nn.Module):
         logits = torch.where(col[None, :] < row_lens[:, None], scores, float("-inf"))
         return logits, self._topk(logits, None)
 
+    def _batch_keys(self, kv_cache, positions, slot_mapping, block_table, seq_ids):
+        """The engine's own gather of the batch's keys ``[T, 128]`` fp8 and ``[T]`` scales, by sequence and
+        position through the block table (subclasses read them otherwise)."""
+        values, scales = self._pages(kv_cache)
+        page, pos = block_table[seq_ids, positions // self.page_size].long(), positions % self.page_size
+        return values[page, pos].view(self.cfg.fp8_dtype), scales[page, pos]
+
     def prefill(self, x, q_lora, positions, slot_mapping, kv_cache, block_table, seq_ids, ks, ke):
         """Token t (of sequence ``seq_ids[t]`` at ``positions[t]``) sees the batch's keys ``ks[t] <= n < ke[t]``."""
         c = self.cfg
         q_fp8, gates = self._forward_common(x, q_lora, positions, slot_mapping, kv_cache)
-        values, scales = self._pages(kv_cache)
-        page = block_table[seq_ids, positions // self.page_size].long()
-        k_fp8 = values[page, positions % self.page_size].view(c.fp8_dtype)       # the engine's own gather
-        k_scale = scales[page, positions % self.page_size]
+        k_fp8, k_scale = self._batch_keys(kv_cache, positions, slot_mapping, block_table, seq_ids)
         dots = torch.einsum("thd,nd->thn", q_fp8.float(), k_fp8.float())
         scores = (torch.relu(dots * k_scale) * gates.unsqueeze(-1)).sum(1)
         col = torch.arange(x.shape[0], device=x.device)
