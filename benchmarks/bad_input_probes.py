@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import pathlib
 import sys
@@ -70,6 +71,8 @@ def good_calls() -> dict[str, tuple]:
                                                       torch.tensor([5, -1, 20]), P, False, "ue8m0", FN]),
         "gather_k": (nsa.gather_k, [cache, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                                     torch.tensor([0, 20, 40], dtype=torch.int32), P, False, 42, FN]),
+        "gather_k_slots": (nsa.gather_k_slots, [cache, torch.tensor([3, 17, 40]), P, False, FN, table,
+                                                torch.tensor([0, 0, 0])]),
         "paged_mqa_logits": (nsa.paged_mqa_logits, [q, cache, torch.randn(1, HEADS, generator=g),
                                                     torch.tensor([40], dtype=torch.int32), table, 64, P, False]),
         "mqa_logits": (nsa.mqa_logits, [random_fp8((3, HEADS, 128), FN, g), random_fp8((10, 128), FN, g),
@@ -86,6 +89,7 @@ def good_calls() -> dict[str, tuple]:
 OP_ARG_NAMES = {
     "quant_cache_store": ["k", "cache", "slot_mapping"],
     "gather_k": ["cache", "block_table", "cu_seqlens"],
+    "gather_k_slots": ["cache", "positions", "page_size", "preshuffle", "fp8_dtype", "block_table", "seq_ids"],
     "paged_mqa_logits": ["q_fp8", "cache", "weights", "context_lens", "block_table"],
     "mqa_logits": ["q_fp8", "k_fp8", "k_scale", "weights", "ks", "ke"],
     "topk_indices": ["logits", "k", "lengths"],
@@ -247,6 +251,28 @@ def probe_ids_and_values() -> None:
                                                           out=(out_k.view.view(FN), out_s.view)),
                  [guarded, out_k, out_s], "cu_seqlens|block_table")
 
+    # gather_k_slots: flat slot ids; sequence ids, positions and page ids through a block table
+    from nsa_inductor.lowering.gather_k_slots import reference as slots_ref, triton as slots_tri
+
+    table = torch.tensor([[2, 0, 1, 3], [3, 1, 0, 2]], dtype=torch.int32)
+    cases = {f"slot {n}": (torch.tensor([3, v, 40]), None, None) for n, v in _ids(NUM_SLOTS).items()}
+    cases.update({f"seq id {n}": (torch.tensor([3, 17, 40]), table, torch.tensor([0, v, 1]))
+                  for n, v in _ids(2).items()})
+    cases.update({f"position {n}": (torch.tensor([3, v, 40]), table, torch.tensor([0, 1, 1]))
+                  for n, v in _ids(4 * P).items()})
+    for n, v in _ids(PAGES).items():
+        t = table.clone()
+        t[1, 1] = v
+        cases[f"page {n}"] = (torch.tensor([3, 17, 40]), t, torch.tensor([0, 1, 1]))
+    for name, (positions, t, seq) in cases.items():
+        guarded = Guarded(base_cache.shape, torch.uint8, gen(12), fill=base_cache)
+        out_k, out_s = Guarded((3, 128), torch.uint8, gen(13)), Guarded((3,), torch.float32, gen(14))
+        _compare(f"gather_k_slots({name})",
+                 lambda p_=positions, t=t, seq=seq: slots_ref.gather_k_slots(base_cache, p_, P, False, FN, t, seq),
+                 lambda p_=positions, t=t, seq=seq: slots_tri.gather_k_slots(
+                     guarded.view, p_, P, False, FN, t, seq, out=(out_k.view.view(FN), out_s.view)),
+                 [guarded, out_k, out_s], "positions|seq_ids|block_table")
+
     # paged_mqa_logits: page ids and context lengths
     q = random_fp8((1, 1, HEADS, 128), FN, g)
     w = torch.randn(1, HEADS, generator=g)
@@ -288,7 +314,8 @@ def probe_ids_and_values() -> None:
                                   .index_fill(1, torch.tensor([7]), -float("nan")))
     cases["all tied"] = ([50, 50, 50], None, torch.zeros(3, 50))
     cases["offset past the row"] = ([50, 50, 50], [10**6, -5, 0], logits)
-    for name, (lengths, offset, values) in cases.items():
+    # (both kernel paths: one program per row, and the radix path in segments of 16 columns)
+    for (name, (lengths, offset, values)), radix in itertools.product(cases.items(), (False, True)):
         lens = torch.tensor(lengths, dtype=torch.int32)
         off = None if offset is None else torch.tensor(offset, dtype=torch.int32)
         out = Guarded((3, 8), torch.int32, gen(11))
@@ -296,10 +323,12 @@ def probe_ids_and_values() -> None:
         def ref_call(values=values, lens=lens, off=off):
             return topk_ref.topk_indices(values, 8, lens.clamp(0, 50), off, "neg1", False)
 
-        def ker_call(values=values, lens=lens, off=off):
-            return topk_tri.topk_indices(values, 8, lens, off, "neg1", False, out=out.view)
+        def ker_call(values=values, lens=lens, off=off, radix=radix, out=out):
+            return topk_tri.topk_indices(values, 8, lens, off, "neg1", False, out=out.view, radix=radix,
+                                         segment=16 if radix else None)
 
-        _compare_topk(f"topk_indices({name})", ref_call, ker_call, out, values, lens, off)
+        _compare_topk(f"topk_indices({name}{', radix path' if radix else ''})", ref_call, ker_call, out, values,
+                      lens, off)
 
     # rotate_act_quant: NaN and inf in x
     for name, bad in {"NaN in x": float("nan"), "inf in x": float("inf")}.items():
