@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 
 from nsa_inductor.workload import Batch, decode_batch
 from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, compile_indexer, compiled
-from helpers.pass_helpers import assert_k_cache_matches, assert_matches_eager
-from helpers.reference64 import assert_logits_close, topk_sets_valid
+from helpers.pass_helpers import assert_matches_eager
 
 LAYOUT = LAYOUTS["paged"]
 NUM_SLOTS = CACHE_SLOTS
@@ -49,16 +48,7 @@ def _check_step(eager_fn, compiled_fn, lens, slot_edit, wrap, seed, device="cpu"
     if wrap:
         args[5] = args[5] - args[4].shape[0]  # every page id p as p - num_pages: eager reads the same pages
     batch = Batch(*args)
-    if device == "cpu":
-        assert_matches_eager(eager_fn, compiled_fn, batch)
-    else:  # the GPU's fp8 dots sum in another order: near-tied keys may swap, so the top k of the compiled logits
-        eager, comp = batch.clone(), batch.clone()
-        with torch.no_grad():
-            logits, _ = eager_fn(*eager.args)
-            c_logits, c_topk = compiled_fn(*comp.args)
-        assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping, LAYOUT)
-        assert_logits_close(c_logits, logits)
-        topk_sets_valid(c_logits, c_topk, c_topk.shape[1])
+    assert_matches_eager(eager_fn, compiled_fn, batch, same_topk=device == "cpu")
     after = batch.clone()
     with torch.no_grad():
         compiled_fn(*after.args)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..layout import HEAD_DIM
 from ..quant import AMAX_FLOOR
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -35,6 +36,12 @@ def next_power_of_2(n: int) -> int:
 def interpreted(kernel) -> bool:
     """True under TRITON_INTERPRET=1, where kernels run in numpy on the host."""
     return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+def empty_k_rows(num_tokens: int, fp8_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of the K gathers: ``(k_fp8 [num_tokens, 128], k_scale [num_tokens])``."""
+    return (torch.empty(num_tokens, HEAD_DIM, dtype=fp8_dtype, device=device),
+            torch.empty(num_tokens, dtype=torch.float32, device=device))
 
 
 @triton.jit

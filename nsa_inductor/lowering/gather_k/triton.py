@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layout import HEAD_DIM
-from .._triton_common import cdiv, readable_page, scale_offsets, value_offsets
+from .._triton_common import cdiv, empty_k_rows, readable_page, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -59,12 +58,7 @@ def _gather_k_kernel(
 def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, fp8_dtype, out=None,
              block_r: int = 16):
     """Contiguous ``(k_fp8 [num_tokens,128], k_scale [num_tokens])``; a byte copy, so any fp8 dtype works."""
-    if out is None:
-        out = (
-            torch.empty(num_tokens, HEAD_DIM, dtype=fp8_dtype, device=cache.device),
-            torch.empty(num_tokens, dtype=torch.float32, device=cache.device),
-        )
-    k_out, scale_out = out
+    k_out, scale_out = out if out is not None else empty_k_rows(num_tokens, fp8_dtype, cache.device)
     if num_tokens:
         batch = block_table.shape[0]
         _gather_k_kernel[(cdiv(num_tokens, block_r),)](

@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layout import HEAD_DIM
-from .._triton_common import cdiv, readable_page, scale_offsets, value_offsets
+from .._triton_common import cdiv, empty_k_rows, readable_page, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -56,12 +55,7 @@ def gather_k_slots(cache, positions, page_size, preshuffle, fp8_dtype, block_tab
                    block_r: int = 16):
     """``(k_fp8 [N, 128], k_scale [N])``; a byte copy, so any fp8 dtype works."""
     num_tokens = positions.shape[0]
-    if out is None:
-        out = (
-            torch.empty(num_tokens, HEAD_DIM, dtype=fp8_dtype, device=cache.device),
-            torch.empty(num_tokens, dtype=torch.float32, device=cache.device),
-        )
-    k_out, scale_out = out
+    k_out, scale_out = out if out is not None else empty_k_rows(num_tokens, fp8_dtype, cache.device)
     if num_tokens:
         by_sequence = block_table is not None
         _gather_k_slots_kernel[(cdiv(num_tokens, block_r),)](
