@@ -683,7 +683,8 @@ def main() -> None:
                "nsa.head_gate_mode": "off" if args.no_head_gate else "split", "nsa.topk_order": args.topk_order}
     context_lens = [args.ctx - (i * 37) % 512 for i in range(args.batch)]
     if args.cuda_graphs and args.graph_replay:
-        raise SystemExit("--cuda-graphs (torch.compile's own graphs) and --graph-replay (graphs by hand) exclude each other")
+        raise SystemExit("--cuda-graphs (torch.compile's own graphs) and --graph-replay (graphs by hand) exclude "
+                         "each other")
     mode = "reduce-overhead" if args.cuda_graphs else None
     only = set(args.variants.split(","))
     rows = []
