@@ -37,6 +37,7 @@ RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_
 # it selects from the row itself).
 RADIX_MAX_ROWS = 128
 RADIX_CAPACITY = 16384
+RADIX_SELECT_WARPS = 4  # the final select's (BENCHMARKS.md, top-k: 4 beat 8 and 16)
 # The two-launch sort (the radix path's sorted order): entries per chunk sorted in registers, and per program that
 # places them (a quarter chunk: with one program per chunk the merge was a B=1 step's slowest kernel, BENCHMARKS.md;
 # the split is not measured yet).
@@ -494,7 +495,7 @@ def _radix_topk(logits, k, lengths, offset, out, flags, block, segment, capacity
                                             HAS_OFFSET=flags["HAS_OFFSET"], SEGMENT=segment,
                                             SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), num_warps=4)
     _radix_select_kernel[(rows,)](logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride, k,
-                                  capacity, BLOCK=block, num_warps=num_warps or 4, **flags)
+                                  capacity, BLOCK=block, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
 def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
