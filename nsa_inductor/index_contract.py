@@ -25,10 +25,8 @@ def eager_call(op, args: tuple, kwargs: dict | None = None) -> Any:
 def python_index(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``ids`` as Python indexes a dimension of ``size`` (docs/indices.md): ids in ``[-size, 0)`` wrap to
     ``id + size``; ``(wrapped ids, readable)``, unreadable ids (outside ``[-size, size)``) set to 0 (safe to load)."""
-    ids = ids.long()
-    ids = torch.where(ids < 0, ids + size, ids)
-    readable = (ids >= 0) & (ids < size)
-    return torch.where(readable, ids, 0), readable
+    wrapped, outside = _wrapped_ids(eager_call, ids.long(), size)
+    return torch.where(outside, 0, wrapped), ~outside
 
 
 def _assert_none(call: Call, bad, message: str) -> None:

@@ -53,11 +53,11 @@ def wrapped_index(index, ok, size):
 
 
 @triton.jit
-def readable_page(page, ok, num_pages):
+def readable_index(index, ok, size):
     """``wrapped_index`` with the ids that may not be read replaced by 0, for addresses also used unmasked (the
     paged logits kernel keeps the unclamped id: the clamp slowed it, BENCHMARKS.md "Paged logits: the page check")."""
-    page, ok = wrapped_index(page, ok, num_pages)
-    return tl.where(ok, page, 0), ok
+    index, ok = wrapped_index(index, ok, size)
+    return tl.where(ok, index, 0), ok
 
 
 @triton.jit

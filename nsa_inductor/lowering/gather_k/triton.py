@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, empty_k_rows, readable_page, scale_offsets, value_offsets
+from .._triton_common import cdiv, empty_k_rows, readable_index, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _gather_k_kernel(
     page_col = pos // PAGE_SIZE
     in_table = (rows < tl.load(cu_ptr + batch)) & (pos >= 0) & (page_col < max_pages)
     page = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + page_col, mask=in_table, other=0)
-    page, valid = readable_page(page, in_table, num_pages)
+    page, valid = readable_index(page, in_table, num_pages)
     in_page = pos % PAGE_SIZE
     k = tl.load(values_ptr + value_offsets(page[:, None], in_page[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
                 mask=valid[:, None], other=0)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, empty_k_rows, readable_page, scale_offsets, value_offsets
+from .._triton_common import cdiv, empty_k_rows, readable_index, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -29,20 +29,20 @@ def _gather_k_slots_kernel(
     BLOCK_R: tl.constexpr,
 ):
     """Copy BLOCK_R tokens' rows (raw fp8 bytes + scale); each id wraps as a Python index where it is in range
-    (``readable_page`` serves sequence ids, positions and page ids alike), a token with any other id gets zeros."""
+    (``readable_index``), a token with any other id gets zeros."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, 128)
     in_rows = rows < num_tokens
     pos = tl.load(pos_ptr + rows, mask=in_rows, other=0).to(tl.int64)
     if BY_SEQUENCE:
         seq = tl.load(seq_ptr + rows, mask=in_rows, other=0).to(tl.int64)
-        seq, ok = readable_page(seq, in_rows, batch)
-        pos, ok = readable_page(pos, ok, max_pages * PAGE_SIZE)  # wraps the page column, keeps pos % P
+        seq, ok = readable_index(seq, in_rows, batch)
+        pos, ok = readable_index(pos, ok, max_pages * PAGE_SIZE)  # wraps the page column, keeps pos % P
         page = tl.load(bt_ptr + seq * bt_stride + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
     else:
-        pos, ok = readable_page(pos, in_rows, num_pages * PAGE_SIZE)  # a slot: page = slot // P
+        pos, ok = readable_index(pos, in_rows, num_pages * PAGE_SIZE)  # a slot: page = slot // P
         page = pos // PAGE_SIZE
-    page, ok = readable_page(page, ok, num_pages)
+    page, ok = readable_index(page, ok, num_pages)
     in_page = pos % PAGE_SIZE  # non-negative operands only: Triton's // and % truncate
     k = tl.load(values_ptr + value_offsets(page[:, None], in_page[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
                 mask=ok[:, None], other=0)
