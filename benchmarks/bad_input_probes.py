@@ -314,8 +314,8 @@ def probe_ids_and_values() -> None:
                                   .index_fill(1, torch.tensor([7]), -float("nan")))
     cases["all tied"] = ([50, 50, 50], None, torch.zeros(3, 50))
     cases["offset past the row"] = ([50, 50, 50], [10**6, -5, 0], logits)
-    # (both kernel paths: one program per row, and the radix path in segments of 16 columns)
-    for (name, (lengths, offset, values)), radix in itertools.product(cases.items(), (False, True)):
+    # (every kernel path; the radix paths in segments / chunks of 16 columns)
+    for (name, (lengths, offset, values)), path in itertools.product(cases.items(), topk_tri.PATHS):
         lens = torch.tensor(lengths, dtype=torch.int32)
         off = None if offset is None else torch.tensor(offset, dtype=torch.int32)
         out = Guarded((3, 8), torch.int32, gen(11))
@@ -323,12 +323,11 @@ def probe_ids_and_values() -> None:
         def ref_call(values=values, lens=lens, off=off):
             return topk_ref.topk_indices(values, 8, lens.clamp(0, 50), off, "neg1", False)
 
-        def ker_call(values=values, lens=lens, off=off, radix=radix, out=out):
-            return topk_tri.topk_indices(values, 8, lens, off, "neg1", False, out=out.view, radix=radix,
-                                         segment=16 if radix else None)
+        def ker_call(values=values, lens=lens, off=off, path=path, out=out):
+            return topk_tri.topk_indices(values, 8, lens, off, "neg1", False, out=out.view, path=path, segment=16,
+                                         chunk=16)
 
-        _compare_topk(f"topk_indices({name}{', radix path' if radix else ''})", ref_call, ker_call, out, values,
-                      lens, off)
+        _compare_topk(f"topk_indices({name}, {path})", ref_call, ker_call, out, values, lens, off)
 
     # rotate_act_quant: NaN and inf in x
     for name, bad in {"NaN in x": float("nan"), "inf in x": float("inf")}.items():

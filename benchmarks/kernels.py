@@ -305,18 +305,19 @@ def bench_topk(args, rows: list[dict]) -> None:
         torch_us = None if args.no_torch else graph_us(eager)
         nbytes = logits.numel() * 4 + batch * k * 4
         block = tk.block_for(width)
-        radix = tk.radix_for(batch, width, k)
+        path = tk.path_for(batch, width, k)
         for order in ("set", "sorted"):
             sort = order == "sorted"
-            chosen = tk.RADIX_SELECT_WARPS if radix else tk.warps_for(
+            chosen = {"radix_split": tk.RADIX_SELECT_WARPS, "radix_row": tk.RADIX_ROW_WARPS}.get(path) or tk.warps_for(
                 batch, block, sort and k <= tk.MAX_SORTED_K and batch <= tk.MAX_SORTED_ROWS)
             results = {w: graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
                        for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
-            path = ("radix: segment {}, candidate block {}".format(*tk.radix_sizes(batch, width)) if radix
-                    else f"block {block}, segments {tk.segments_for(width, k, block)}")
+            config = {"radix_split": "radix_split: segment {}, candidate block {}".format(*tk.radix_sizes(batch, width)),
+                      "radix_row": f"radix_row: chunk {tk.RADIX_ROW_CHUNK}, candidate block {tk.RADIX_ROW_BLOCK}",
+                      "bisect": f"bisect: block {block}, segments {tk.segments_for(width, k, block)}"}[path]
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
                                           torch_us, nbytes),
-                         "config": f"{path}, {chosen} warps", "sweep": {f"{w} warps": t for w, t in results.items()}})
+                         "config": f"{config}, {chosen} warps", "sweep": {f"{w} warps": t for w, t in results.items()}})
         del logits
 
 

@@ -180,17 +180,17 @@ def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
                                            (2, 300, 300)])
 @pytest.mark.parametrize("kind", ["ties", "close", "nan", "tail", "randn"])
 @pytest.mark.parametrize("pad, sorted_", [("neg1", False), ("neg1", True), ("column", True)])
-@pytest.mark.parametrize("radix", [False, True])
-def test_topk_indices_meets_the_contract(rows, cols, k, kind, pad, sorted_, radix):
-    """DeepSeek-V3.2 decode width, a streamed row (> 8192 columns), adversarial values; both pads and orders; the
-    row path and the radix path (whose boundary bin holds every column of the "close" rows)."""
+@pytest.mark.parametrize("path", ["bisect", "radix_split", "radix_row"])
+def test_topk_indices_meets_the_contract(rows, cols, k, kind, pad, sorted_, path):
+    """DeepSeek-V3.2 decode width, a streamed row (> 8192 columns), adversarial values; both pads and orders; every
+    path (the radix paths' boundary bin holds every column of the "close" rows)."""
     logits = adversarial_topk_logits(rows, cols, kind, seed=cols)
     lengths = torch.randint(0, cols + 1, (rows,), generator=torch.Generator().manual_seed(k)).int()
     lengths[0] = cols
     offset = -torch.arange(rows)
     out = torch.full((rows, k), 12345, dtype=torch.int32, device=DEV)
     got = _tk("topk_indices").topk_indices(logits.to(DEV), k, lengths.to(DEV), offset.to(DEV), pad, sorted_, out=out,
-                                           radix=radix)
+                                           path=path)
     assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad, sorted_)
 
 

@@ -357,15 +357,17 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
        sorted_=st.booleans(), with_lengths=st.booleans(), block=st.sampled_from([None, 16, 32]),
        seed=st.integers(0, 99))
 def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, block, seed):
-    """Ties, all-equal rows, values equal but for their last bits, NaN of either sign, -inf tails; rows held in
-    registers and rows streamed in blocks of 16 or 32 (every block boundary); every output slot written."""
+    """The bisection path on ties, all-equal rows, values equal but for their last bits, NaN of either sign, -inf
+    tails; rows held in registers and rows streamed in blocks of 16 or 32 (every block boundary); every output slot
+    written."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
         if with_lengths else None
     offset = -torch.arange(rows)
     out = torch.full((rows, k), 12345, dtype=torch.int32)
-    got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block)
+    got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block,
+                                                path="bisect")
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
 
 
@@ -373,15 +375,15 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
 @HYP
 @given(rows=st.integers(1, 3), cols=st.integers(1, 70), k_frac=st.floats(0, 1),
        kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
-       sorted_=st.booleans(), with_lengths=st.booleans(), segment=st.sampled_from([16, 32]),
-       block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]), sort_chunk=st.sampled_from([4, 16]),
-       merge_part=st.sampled_from([4, 64]), seed=st.integers(0, 99))
-def test_topk_indices_radix_path_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, segment,
-                                                     block, capacity, sort_chunk, merge_part, seed):
-    """The radix path (digit histogram per segment, compaction, select among the boundary bin's candidates) on the
-    same rows: candidates held in registers, streamed, or overflowing their buffer (the row selected again); sorted
-    by chunks of 4 or 16 entries merged by rank, a chunk's entries placed by one program or by parts of 4; the
-    output's neighbours untouched."""
+       sorted_=st.booleans(), with_lengths=st.booleans(), path=st.sampled_from(["radix_split", "radix_row"]),
+       segment=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]),
+       sort_chunk=st.sampled_from([4, 16]), merge_part=st.sampled_from([4, 64]), seed=st.integers(0, 99))
+def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
+                                                    segment, block, capacity, sort_chunk, merge_part, seed):
+    """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
+    row in three launches, or per row in one, in chunks of `segment` columns) on the same rows: candidates held in
+    registers, streamed, or overflowing their buffer (the row selected again); sorted by chunks of 4 or 16 entries
+    merged by rank, a chunk's entries placed by one program or by parts of 4; the output's neighbours untouched."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
@@ -391,8 +393,8 @@ def test_topk_indices_radix_path_meets_the_contract(rows, cols, k_frac, kind, pa
     tk = _kernels("topk_indices")
     default_part, tk.MERGE_PART = tk.MERGE_PART, merge_part
     try:
-        got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, radix=True,
-                              segment=segment, capacity=capacity, sort_chunk=sort_chunk)
+        got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
+                              segment=segment, chunk=segment, capacity=capacity, sort_chunk=sort_chunk)
     finally:
         tk.MERGE_PART = default_part
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
@@ -402,20 +404,24 @@ def test_topk_indices_radix_path_meets_the_contract(rows, cols, k_frac, kind, pa
 @child_only
 @pytest.mark.parametrize("k", [0, 1, 6, 7, 8, 20])
 def test_topk_indices_kernel_at_length_edges(k):
-    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders, both places the order is made."""
+    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders, every path, both places each path
+    makes the order (in or beside its kernels for few rows, by torch after them for many)."""
     cols = 20
     lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols], dtype=torch.int32)
     logits = adversarial_topk_logits(6, cols, "randn", k)
     tk = _kernels("topk_indices")
-    for pad in ("neg1", "column"):
-        for sorted_ in (False, True):
-            got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, block=8)
-            assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
+    sizes = dict(block=8, segment=8, chunk=8)
+    for path in tk.PATHS:
+        for pad in ("neg1", "column"):
+            for sorted_ in (False, True):
+                got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, path=path, **sizes)
+                assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
     in_kernel, tk.MAX_SORTED_ROWS = tk.MAX_SORTED_ROWS, 1  # many rows: ordered by torch after the kernel
     try:
-        for pad in ("neg1", "column"):
-            got = tk.topk_indices(logits, k, lengths, None, pad, True, block=8)
-            assert_topk_valid(logits, got, k, lengths, None, pad, True)
+        for path in tk.PATHS:
+            for pad in ("neg1", "column"):
+                got = tk.topk_indices(logits, k, lengths, None, pad, True, path=path, **sizes)
+                assert_topk_valid(logits, got, k, lengths, None, pad, True)
     finally:
         tk.MAX_SORTED_ROWS = in_kernel
 

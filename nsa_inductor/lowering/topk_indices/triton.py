@@ -1,14 +1,15 @@
-"""Triton kernels of ``nsa.topk_indices``: a bisection select on order-preserving integer keys, one program per row,
-and for few long rows a radix pre-filter spread over many programs.
+"""Triton kernels of ``nsa.topk_indices``: a bisection select on order-preserving integer keys, and a radix
+pre-filter that leaves the bisection a few hundred candidates, spread over many programs for few long rows or in
+one program per row for many rows.
 
-Why two paths: the cost of a row is its number of CTA-wide counts, not its bytes (a row of 8192 fp32 is 32 KB).
-Many rows fill the GPU with one program per row: a row of up to ``MAX_BLOCK`` columns stays in registers, each step
-is one compare-and-count, and the search stops as soon as the keys at or above the bound are exactly the ones
-wanted (a longer row is split: one program per segment selects its top k, then one per row selects among those).
-Few rows would leave most SMs idle and count ~20 times in a row, so they take the radix path: a histogram of an
-8-bit digit per segment, the columns above the boundary bin written at once and those in it compacted, then one
-program per row selects the rest among a few hundred candidates. No program waits on another (separate launches,
-safe under CUDA-graph capture). Costs of both on the H200: BENCHMARKS.md, top-k.
+Why three paths: a row costs its CTA-wide counts and per-element work, not its bytes (a row of 8192 fp32 is 32 KB).
+The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per key bit until the keys at
+or above the bound are exactly the ones wanted (a longer row is split: one program per segment selects its top k,
+then one per row among those); it needs the whole row in registers, so few programs fit an SM. The radix pre-filter
+takes a histogram of an 8-bit digit, writes the columns above the boundary bin at once and compacts those in it, and
+bisects among those candidates only: in three launches over (row, segment) programs where rows are few (every SM
+busy), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
+per SM). No program waits on another (CUDA-graph safe). Costs on the H200: BENCHMARKS.md, top-k.
 """
 
 from __future__ import annotations
@@ -22,25 +23,34 @@ from .._triton_common import next_power_of_2
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
 MAX_BLOCK = 8192
-# Up to this k, and this many rows, the survivors are sorted in registers by the kernel itself (one sort per
-# program); more rows are ordered by one batched torch sort after the kernel (BENCHMARKS.md, top-k).
+# Up to this k, and this many rows, the bisection's survivors are sorted in registers by its kernel (one sort per
+# program); more rows, on every path, are ordered by one batched torch sort after the kernels (BENCHMARKS.md, top-k).
 MAX_SORTED_K = 4096
 MAX_SORTED_ROWS = 256
 
+# How rows are selected (`path_for`): bisection over each row's keys; the radix pre-filter spread over (row, segment)
+# programs in three launches; the radix pre-filter in one program per row.
+PATHS = ("bisect", "radix_split", "radix_row")
 # What a program selects from (`MODE`): a row's columns, one segment of a row (writing candidate columns), or the
 # candidate columns its row's segments wrote.
 ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
 EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
 RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_digit`)
-# The radix path: rows up to this many go through it; boundary-bin candidates its final select keeps at most (more:
-# it selects from the row itself).
+# The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
+# keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
 RADIX_CAPACITY = 16384
+# The radix path in one launch (`_radix_row_kernel`): rows from which it is used, columns per step of its histogram
+# and compaction (2048 below 2048 rows), candidates its select holds in registers, warps.
+RADIX_ROW_MIN_ROWS = 256
+RADIX_ROW_CHUNK = 1024
+RADIX_ROW_BLOCK = 512
+RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the final select's (BENCHMARKS.md, top-k: 4 beat 8 and 16)
-# The two-launch sort (the radix path's sorted order): entries per chunk sorted in registers, and per program that
-# places them (a quarter chunk: with one program per chunk the merge was a B=1 step's slowest kernel, BENCHMARKS.md;
-# the split is not measured yet).
+# The two-launch sort (the radix paths' sorted order up to MAX_SORTED_ROWS rows): entries per chunk sorted in
+# registers, and per program that places them (a quarter chunk: with one program per chunk the merge was a B=1
+# step's slowest kernel, BENCHMARKS.md).
 SORT_CHUNK = 256
 MERGE_PART = 64
 
@@ -156,7 +166,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         tie_rank = ties_seen + (ranks >> 16) - 1
         chosen_tie = is_tie & (tie_rank < need)
         slot = tl.where(is_above, above_rank, n_above + tie_rank)
-        index = col.to(tl.int64) + col_base - shift_cols
+        index = col + (col_base - shift_cols).to(tl.int32)  # (int32 wraps as the int32 result would)
         if NEG1:
             index = tl.where(u == KEY_NEG_INF, -1, index)
         # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
@@ -357,7 +367,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_k
         if HAS_OFFSET:
             shift_cols = tl.load(offset + row).to(tl.int64)
         slot = above_before + (ranks & 0xFFFF) - 1
-        tl.store(out + row * k + slot, (col - shift_cols).to(tl.int32), mask=is_above)
+        tl.store(out + row * k + slot, col - shift_cols.to(tl.int32), mask=is_above)
         cand_slot = in_bin_before + (ranks >> 16) - 1
         keep = is_cand & (cand_slot < capacity)
         tl.store(cand_cols + row * capacity + cand_slot, col, mask=keep)
@@ -365,11 +375,27 @@ def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_k
 
 
 @triton.jit
+def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length, shift_cols, capacity,
+                       PAD_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    """The rest of a row's top k after its ``above`` columns above the boundary bin, among the bin's ``n_cand``
+    candidates (held in registers up to BLOCK of them, streamed up to ``capacity``; past that, the whole top k from
+    the row itself)."""
+    if n_cand <= tl.minimum(BLOCK, capacity):
+        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst, 0, shift_cols, True, False, False,
+                not PAD_COLUMNS, BLOCK, True)
+    elif n_cand <= capacity:
+        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst, 0, shift_cols, True, False, False,
+                not PAD_COLUMNS, BLOCK, False)
+    else:  # the candidates overflowed their buffer
+        _select(src, row_keys, row_cols, length, take, dst, dst, 0, shift_cols, False, False, False, not PAD_COLUMNS,
+                BLOCK, False)
+
+
+@triton.jit
 def _radix_select_kernel(logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
                          BLOCK: tl.constexpr):
-    """Program per row: the rest of its top k among the boundary bin's candidates (held in registers up to BLOCK of
-    them, streamed up to ``capacity``; past that, the whole top k from the row itself), then the padding."""
+    """Program per row: the rest of its top k among the boundary bin's candidates, then the padding."""
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * stride_row
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
@@ -378,20 +404,61 @@ def _radix_select_kernel(logits, lengths, offset, meta, cand_cols, cand_keys, ou
     shift_cols = tl.zeros((), dtype=tl.int64)
     if HAS_OFFSET:
         shift_cols = tl.load(offset + row).to(tl.int64)
-    above = tl.load(meta + row * 2)
-    n_cand = tl.load(meta + row * 2 + 1)
+    if take > 0:
+        _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(meta + row * 2 + 1),
+                           tl.load(meta + row * 2), take, dst, length, shift_cols, capacity, PAD_COLUMNS, BLOCK)
+    _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
+
+
+@triton.jit
+def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
+                      HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
+    its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
+    among those, the padding."""
+    row = tl.program_id(0).to(tl.int64)
+    src = logits + row * stride_row
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    take = tl.minimum(k, length)
+    dst = out + row * k
+    shift_cols = tl.zeros((), dtype=tl.int64)
+    if HAS_OFFSET:
+        shift_cols = tl.load(offset + row).to(tl.int64)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
+    pos = tl.arange(0, CHUNK)
     if take > 0:
-        if n_cand <= tl.minimum(BLOCK, capacity):
-            _select(src, row_keys, row_cols, n_cand, take - above, dst + above, out, 0, shift_cols, True, False, False,
-                    not PAD_COLUMNS, BLOCK, True)
-        elif n_cand <= capacity:
-            _select(src, row_keys, row_cols, n_cand, take - above, dst + above, out, 0, shift_cols, True, False, False,
-                    not PAD_COLUMNS, BLOCK, False)
-        else:  # the candidates overflowed their buffer: the whole top k from the row
-            _select(src, row_keys, row_cols, length, take, dst, out, 0, shift_cols, False, False, False,
-                    not PAD_COLUMNS, BLOCK, False)
+        counts = tl.zeros((RADIX_BINS,), tl.int32)
+        for start in range(0, length, CHUNK):
+            col = start + pos
+            x = tl.load(src + col, mask=col < length, other=0.0)
+            counts += tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
+        bins = tl.arange(0, RADIX_BINS)
+        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+        b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1  # >= 3 (bins 0-2 hold no value)
+        above = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
+        n_cand = tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above
+        above_seen = tl.zeros((), tl.int32)
+        cand_seen = tl.zeros((), tl.int32)
+        for start in range(0, length, CHUNK):
+            col = start + pos
+            valid = col < length
+            x = tl.load(src + col, mask=valid, other=0.0)
+            digit = tl.where(valid, _radix_digit(x), 0)
+            is_above = digit > b
+            is_cand = digit == b
+            ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
+            tl.store(dst + above_seen + (ranks & 0xFFFF) - 1, col - shift_cols.to(tl.int32), mask=is_above)
+            cand_slot = cand_seen + (ranks >> 16) - 1
+            keep = is_cand & (cand_slot < capacity)
+            tl.store(row_cols + cand_slot, col, mask=keep)
+            tl.store(row_keys + cand_slot, _order_key(x).to(tl.int32, bitcast=True), mask=keep)
+            above_seen += tl.sum(is_above.to(tl.int32), axis=0)
+            cand_seen += tl.sum(is_cand.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the candidates written by every thread of the program
+        _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length, shift_cols, capacity,
+                           PAD_COLUMNS, BLOCK)
     _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
 
 
@@ -415,11 +482,21 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
     return 16 if sort_in_kernel else 8
 
 
-def radix_for(rows: int, n_cols: int, k: int) -> bool:
-    """Whether rows go through the radix pre-filter: few rows (one program per row would leave SMs idle) that are
-    long (16K+ columns: the row path's segments then merge k candidates each) or very few (<= 16 rows of 4K+
-    columns); between those the row path is as fast in one launch (BENCHMARKS.md, top-k)."""
-    return rows <= RADIX_MAX_ROWS and 2 * k <= n_cols and (n_cols >= 16384 or (rows <= 16 and n_cols >= 4096))
+def path_for(rows: int, n_cols: int, k: int) -> str:
+    """Which path selects (``PATHS``; measured crossovers: BENCHMARKS.md, top-k): few long rows spread over many
+    programs (``radix_split``: <= 64 rows of 4K+ columns, <= 128 of 16K+); 256+ rows one program each
+    (``radix_row``); the other batches, and rows of which more than half the columns are taken, by bisection."""
+    if 2 * k > n_cols:
+        return "bisect"
+    if (rows <= 64 and n_cols >= 4096) or (rows <= RADIX_MAX_ROWS and n_cols >= 16384):
+        return "radix_split"
+    return "radix_row" if rows >= RADIX_ROW_MIN_ROWS else "bisect"
+
+
+def radix_capacity(n_cols: int) -> int:
+    """Boundary-bin candidates kept per row: a quarter of its columns (the scratch is then half the logits' bytes;
+    a random row's bin holds ~1/32), at most ``RADIX_CAPACITY``."""
+    return min(RADIX_CAPACITY, max(n_cols // 4, 1))
 
 
 def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
@@ -431,11 +508,11 @@ def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
 
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None,
-                 radix=None, segment=None, capacity=None, sort_chunk=None):
+                 path=None, segment=None, capacity=None, sort_chunk=None, chunk=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
-    ``warps_for`` (the benchmark's sweep); ``radix``, ``segment``, ``capacity`` and ``sort_chunk`` force the radix
-    path and its sizes."""
+    the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path, and
+    ``segment``, ``capacity``, ``sort_chunk`` and ``chunk`` the radix paths' sizes."""
     rows, n_cols = logits.shape
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
@@ -444,17 +521,26 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     lengths_arg = lengths if lengths is not None else logits
     offset_arg = offset if offset is not None else logits
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column")
-    if radix if radix is not None else radix_for(rows, n_cols, k):
-        default_segment, default_block = radix_sizes(rows, n_cols)
-        _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
-                    min(capacity or RADIX_CAPACITY, n_cols), num_warps)
-        if sorted:
-            _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk or SORT_CHUNK)
+    path = path or path_for(rows, n_cols, k)
+    if path == "bisect":
+        sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
+        _rows_topk(logits, k, lengths_arg, offset_arg, out, dict(flags, K_POW2=next_power_of_2(k)), sort_in_kernel,
+                   block or block_for(n_cols), num_warps)
+        if sorted and not sort_in_kernel:
+            _sort_after(logits, lengths, offset, pad, out)
         return out
-    sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
-    _rows_topk(logits, k, lengths_arg, offset_arg, out, dict(flags, K_POW2=next_power_of_2(k)), sort_in_kernel,
-               block or block_for(n_cols), num_warps)
-    if sorted and not sort_in_kernel:
+    capacity = min(capacity or radix_capacity(n_cols), n_cols)
+    default_segment, default_block = radix_sizes(rows, n_cols)
+    if path == "radix_split":
+        _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
+                    capacity, num_warps)
+    else:
+        _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags,
+                        chunk or (RADIX_ROW_CHUNK if rows >= 2048 else 2 * RADIX_ROW_CHUNK), block or RADIX_ROW_BLOCK,
+                        capacity, num_warps)
+    if sorted and rows <= MAX_SORTED_ROWS:
+        _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk or SORT_CHUNK)
+    elif sorted:
         _sort_after(logits, lengths, offset, pad, out)
     return out
 
@@ -496,6 +582,16 @@ def _radix_topk(logits, k, lengths, offset, out, flags, block, segment, capacity
                                             SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), num_warps=4)
     _radix_select_kernel[(rows,)](logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride, k,
                                   capacity, BLOCK=block, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+
+
+def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
+    """One launch, one program per row: the radix path's histogram, compaction and final select."""
+    rows, n_cols = logits.shape
+    cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
+    cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
+    _radix_row_kernel[(rows,)](logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
+                               capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block,
+                               num_warps=num_warps or RADIX_ROW_WARPS, **flags)
 
 
 def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
