@@ -484,11 +484,12 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
 
 def path_for(rows: int, n_cols: int, k: int) -> str:
     """Which path selects (``PATHS``; measured crossovers: BENCHMARKS.md, top-k): few long rows spread over many
-    programs (``radix_split``: <= 64 rows of 4K+ columns, <= 128 of 16K+); 256+ rows one program each
-    (``radix_row``); the other batches, and rows of which more than half the columns are taken, by bisection."""
+    programs (``radix_split``: <= 16 rows of 4K+ columns, <= 128 of 16K+; at 64 x 8192 it is faster alone but its
+    extra launches made the decode step slower); 256+ rows one program each (``radix_row``); the other batches, and
+    rows of which more than half the columns are taken, by bisection."""
     if 2 * k > n_cols:
         return "bisect"
-    if (rows <= 64 and n_cols >= 4096) or (rows <= RADIX_MAX_ROWS and n_cols >= 16384):
+    if (rows <= 16 and n_cols >= 4096) or (rows <= RADIX_MAX_ROWS and n_cols >= 16384):
         return "radix_split"
     return "radix_row" if rows >= RADIX_ROW_MIN_ROWS else "bisect"
 
