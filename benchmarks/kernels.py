@@ -313,7 +313,7 @@ def bench_topk(args, rows: list[dict]) -> None:
             results = {w: graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
                        for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
             config = {"radix_split": "radix_split: segment {}, candidate block {}".format(*tk.radix_sizes(batch, width)),
-                      "radix_row": f"radix_row: chunk {tk.RADIX_ROW_CHUNK}, candidate block {tk.RADIX_ROW_BLOCK}",
+                      "radix_row": f"radix_row: chunk {tk.radix_row_chunk(batch)}, candidate block {tk.RADIX_ROW_BLOCK}",
                       "bisect": f"bisect: block {block}, segments {tk.segments_for(width, k, block)}"}[path]
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
                                           torch_us, nbytes),

@@ -41,10 +41,9 @@ RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
 RADIX_CAPACITY = 16384
-# The radix path in one launch (`_radix_row_kernel`): rows from which it is used, columns per step of its histogram
-# and compaction (2048 below 2048 rows), candidates its select holds in registers, warps.
+# The radix path in one launch (`_radix_row_kernel`): rows from which it is used, candidates its select holds in
+# registers, warps (its chunk: `radix_row_chunk`).
 RADIX_ROW_MIN_ROWS = 256
-RADIX_ROW_CHUNK = 1024
 RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the final select's (BENCHMARKS.md, top-k: 4 beat 8 and 16)
@@ -306,6 +305,41 @@ def _radix_digit(x):
 
 
 @triton.jit
+def _at_least(counts):
+    """Per radix bin, the columns in it or above, from the columns in each."""
+    return tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+
+
+@triton.jit
+def _boundary_bin(at_least, take):
+    """From the count of a row's columns in each radix bin or above: its boundary bin b (the bin of its take-th
+    largest value; >= 3 where take >= 1, bins 0-2 holding no value), the columns above b, and those in b."""
+    bins = tl.arange(0, RADIX_BINS)
+    b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1
+    above = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
+    return b, above, tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above
+
+
+@triton.jit
+def _compact(src, col, length, b, dst, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols):
+    """Of the row's columns ``col``: those above boundary bin b to ``dst`` after ``above_before`` entries (as column
+    minus ``shift_cols``), those in b to the candidates after ``cand_before`` (columns and keys, up to
+    ``capacity``); returns how many of each there were."""
+    valid = col < length
+    x = tl.load(src + col, mask=valid, other=0.0)
+    digit = tl.where(valid, _radix_digit(x), 0)
+    is_above = digit > b
+    is_cand = digit == b
+    ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
+    tl.store(dst + above_before + (ranks & 0xFFFF) - 1, col - shift_cols.to(tl.int32), mask=is_above)
+    cand_slot = cand_before + (ranks >> 16) - 1
+    keep = is_cand & (cand_slot < capacity)
+    tl.store(cand_cols + cand_slot, col, mask=keep)
+    tl.store(cand_keys + cand_slot, _order_key(x).to(tl.int32, bitcast=True), mask=keep)
+    return tl.sum(is_above.to(tl.int32), axis=0), tl.sum(is_cand.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _radix_histogram_kernel(logits, lengths, hist, n_cols, stride_row, n_segments, HAS_LENGTHS: tl.constexpr,
                             SEGMENT: tl.constexpr):
     """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
@@ -317,8 +351,7 @@ def _radix_histogram_kernel(logits, lengths, hist, n_cols, stride_row, n_segment
     x = tl.load(logits + row * stride_row + col, mask=col < length, other=0.0)
     counts = tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
     bins = tl.arange(0, RADIX_BINS)
-    at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + bins, at_least)
+    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + bins, _at_least(counts))
 
 
 @triton.jit
@@ -340,9 +373,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_k
         s = s0 + tl.arange(0, SEGMENTS_BLOCK)
         at_least += tl.sum(tl.load(hist_row + s[:, None] * RADIX_BINS + bins[None, :], mask=s[:, None] < n_segments,
                                    other=0), axis=0)
-    b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1  # >= 3 where take >= 1 (bins 0-2 hold no value)
-    above_total = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
-    in_bin_total = tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above_total
+    b, above_total, in_bin_total = _boundary_bin(at_least, take)
     above_before = tl.zeros((), tl.int32)
     in_bin_before = tl.zeros((), tl.int32)
     segments_above = tl.where(b + 1 < RADIX_BINS, segment, 0)  # (no bin above the last)
@@ -356,22 +387,12 @@ def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_k
         tl.store(meta + row * 2, above_total)
         tl.store(meta + row * 2 + 1, in_bin_total)
     if take > 0:
-        col = segment * SEGMENT + tl.arange(0, SEGMENT)
-        valid = col < length
-        x = tl.load(logits + row * stride_row + col, mask=valid, other=0.0)
-        digit = tl.where(valid, _radix_digit(x), 0)
-        is_above = digit > b
-        is_cand = digit == b
-        ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
         shift_cols = tl.zeros((), dtype=tl.int64)
         if HAS_OFFSET:
             shift_cols = tl.load(offset + row).to(tl.int64)
-        slot = above_before + (ranks & 0xFFFF) - 1
-        tl.store(out + row * k + slot, col - shift_cols.to(tl.int32), mask=is_above)
-        cand_slot = in_bin_before + (ranks >> 16) - 1
-        keep = is_cand & (cand_slot < capacity)
-        tl.store(cand_cols + row * capacity + cand_slot, col, mask=keep)
-        tl.store(cand_keys + row * capacity + cand_slot, _order_key(x).to(tl.int32, bitcast=True), mask=keep)
+        _compact(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, out + row * k,
+                 above_before, cand_cols + row * capacity, cand_keys + row * capacity, in_bin_before, capacity,
+                 shift_cols)
 
 
 @triton.jit
@@ -434,28 +455,14 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
             col = start + pos
             x = tl.load(src + col, mask=col < length, other=0.0)
             counts += tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
-        bins = tl.arange(0, RADIX_BINS)
-        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-        b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1  # >= 3 (bins 0-2 hold no value)
-        above = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
-        n_cand = tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above
+        b, above, n_cand = _boundary_bin(_at_least(counts), take)
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
         for start in range(0, length, CHUNK):
-            col = start + pos
-            valid = col < length
-            x = tl.load(src + col, mask=valid, other=0.0)
-            digit = tl.where(valid, _radix_digit(x), 0)
-            is_above = digit > b
-            is_cand = digit == b
-            ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
-            tl.store(dst + above_seen + (ranks & 0xFFFF) - 1, col - shift_cols.to(tl.int32), mask=is_above)
-            cand_slot = cand_seen + (ranks >> 16) - 1
-            keep = is_cand & (cand_slot < capacity)
-            tl.store(row_cols + cand_slot, col, mask=keep)
-            tl.store(row_keys + cand_slot, _order_key(x).to(tl.int32, bitcast=True), mask=keep)
-            above_seen += tl.sum(is_above.to(tl.int32), axis=0)
-            cand_seen += tl.sum(is_cand.to(tl.int32), axis=0)
+            n_above, n_in_bin = _compact(src, start + pos, length, b, dst, above_seen, row_cols, row_keys, cand_seen,
+                                         capacity, shift_cols)
+            above_seen += n_above
+            cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
         _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length, shift_cols, capacity,
                            PAD_COLUMNS, BLOCK)
@@ -492,6 +499,12 @@ def path_for(rows: int, n_cols: int, k: int) -> str:
     if (rows <= 16 and n_cols >= 4096) or (rows <= RADIX_MAX_ROWS and n_cols >= 16384):
         return "radix_split"
     return "radix_row" if rows >= RADIX_ROW_MIN_ROWS else "bisect"
+
+
+def radix_row_chunk(rows: int) -> int:
+    """Columns per step of the one-launch radix path's histogram and compaction: 1024 from 2048 rows (more programs
+    per SM), else 2048 (fewer steps per row; BENCHMARKS.md, top-k)."""
+    return 1024 if rows >= 2048 else 2048
 
 
 def radix_capacity(n_cols: int) -> int:
@@ -531,14 +544,13 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
             _sort_after(logits, lengths, offset, pad, out)
         return out
     capacity = min(capacity or radix_capacity(n_cols), n_cols)
-    default_segment, default_block = radix_sizes(rows, n_cols)
     if path == "radix_split":
+        default_segment, default_block = radix_sizes(rows, n_cols)
         _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
                     capacity, num_warps)
     else:
-        _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags,
-                        chunk or (RADIX_ROW_CHUNK if rows >= 2048 else 2 * RADIX_ROW_CHUNK), block or RADIX_ROW_BLOCK,
-                        capacity, num_warps)
+        _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags, chunk or radix_row_chunk(rows),
+                        block or RADIX_ROW_BLOCK, capacity, num_warps)
     if sorted and rows <= MAX_SORTED_ROWS:
         _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk or SORT_CHUNK)
     elif sorted:
