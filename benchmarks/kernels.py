@@ -286,7 +286,8 @@ TOPK_CASES = [("decode", 64, 8192, None), ("decode", 8, 8192, None), ("decode", 
 
 def bench_topk(args, rows: list[dict]) -> None:
     """k = 2048 over random fp32 logits (issue 10's cells): set order and sorted order against torch.topk (over
-    the masked logits where rows have lengths), CUDA-graph timing. The floor is the logits read once."""
+    the masked logits where rows have lengths), CUDA-graph timing. The floor is the logits read once. Without
+    ``--quick`` the sweep adds the warps and the other paths the launcher chose against (``path_for``)."""
     tk, _ = _op("topk_indices")
     k = 2048
     for name, batch, width, valid in TOPK_CASES:
@@ -312,12 +313,17 @@ def bench_topk(args, rows: list[dict]) -> None:
                 batch, block, sort and k <= tk.MAX_SORTED_K and batch <= tk.MAX_SORTED_ROWS)
             results = {w: graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
                        for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
+            other_paths = {} if args.quick else {
+                p: graph_us(lambda p=p: tk.topk_indices(logits, k, lengths, None, "neg1", sort, path=p))
+                for p in tk.PATHS if p != path}
             config = {"radix_split": "radix_split: segment {}, candidate block {}".format(*tk.radix_sizes(batch, width)),
                       "radix_row": f"radix_row: chunk {tk.radix_row_chunk(batch)}, candidate block {tk.RADIX_ROW_BLOCK}",
                       "bisect": f"bisect: block {block}, segments {tk.segments_for(width, k, block)}"}[path]
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
                                           torch_us, nbytes),
-                         "config": f"{config}, {chosen} warps", "sweep": {f"{w} warps": t for w, t in results.items()}})
+                         "config": f"{config}, {chosen} warps",
+                         "sweep": {f"{w} warps": t for w, t in results.items()} | {
+                             f"path {p} (its default warps)": t for p, t in other_paths.items()}})
         del logits
 
 
