@@ -112,6 +112,15 @@ def _row_length(lengths, row, n_cols, HAS_LENGTHS: tl.constexpr):
 
 
 @triton.jit
+def _row_shift(offset, row, HAS_OFFSET: tl.constexpr):
+    """What the row's columns are written minus: ``offset[row]``, or 0."""
+    shift_cols = tl.zeros((), dtype=tl.int64)
+    if HAS_OFFSET:
+        shift_cols = tl.load(offset + row).to(tl.int64)
+    return shift_cols
+
+
+@triton.jit
 def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
             COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
             ONE_BLOCK: tl.constexpr):
@@ -226,9 +235,7 @@ def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, str
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    shift_cols = tl.zeros((), dtype=tl.int64)
-    if HAS_OFFSET:
-        shift_cols = tl.load(offset + row).to(tl.int64)
+    shift_cols = _row_shift(offset, row, HAS_OFFSET)
     slots = chunk * CHUNK + tl.arange(0, CHUNK)
     packed = _sort_keys(out + row * k, logits + row * stride_row, slots, k, length, shift_cols, PAD_COLUMNS)
     tl.store(sorted_chunks + (row * n_chunks + chunk) * CHUNK + tl.arange(0, CHUNK), tl.sort(packed, descending=True))
@@ -283,9 +290,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
         keys_dst = cand_keys + (row * n_segments + segment) * k
     if MODE == 2:  # CANDIDATES: the columns this row's segments wrote
         n_pos = n_segments * k
-    shift_cols = tl.zeros((), dtype=tl.int64)
-    if HAS_OFFSET and MODE != 1:
-        shift_cols = tl.load(offset + row).to(tl.int64)
+    shift_cols = _row_shift(offset, row, HAS_OFFSET and MODE != 1)
     _select(src, cand_keys + row * n_segments * k, cand + row * n_segments * k, n_pos, take, dst, keys_dst, col_base,
             shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK, ONE_BLOCK)
     _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS and MODE != 1, MODE == 1, BLOCK)
@@ -387,9 +392,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_k
         tl.store(meta + row * 2, above_total)
         tl.store(meta + row * 2 + 1, in_bin_total)
     if take > 0:
-        shift_cols = tl.zeros((), dtype=tl.int64)
-        if HAS_OFFSET:
-            shift_cols = tl.load(offset + row).to(tl.int64)
+        shift_cols = _row_shift(offset, row, HAS_OFFSET)
         _compact(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, out + row * k,
                  above_before, cand_cols + row * capacity, cand_keys + row * capacity, in_bin_before, capacity,
                  shift_cols)
@@ -422,9 +425,7 @@ def _radix_select_kernel(logits, lengths, offset, meta, cand_cols, cand_keys, ou
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     take = tl.minimum(k, length)
     dst = out + row * k
-    shift_cols = tl.zeros((), dtype=tl.int64)
-    if HAS_OFFSET:
-        shift_cols = tl.load(offset + row).to(tl.int64)
+    shift_cols = _row_shift(offset, row, HAS_OFFSET)
     if take > 0:
         _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(meta + row * 2 + 1),
                            tl.load(meta + row * 2), take, dst, length, shift_cols, capacity, PAD_COLUMNS, BLOCK)
@@ -443,9 +444,7 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     take = tl.minimum(k, length)
     dst = out + row * k
-    shift_cols = tl.zeros((), dtype=tl.int64)
-    if HAS_OFFSET:
-        shift_cols = tl.load(offset + row).to(tl.int64)
+    shift_cols = _row_shift(offset, row, HAS_OFFSET)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     pos = tl.arange(0, CHUNK)
