@@ -126,7 +126,11 @@ def bench_quant_store(args, rows: list[dict]) -> None:
 
 def bench_gather(args, rows: list[dict]) -> None:
     tk, reference = _op("gather_k")
+    slots_tk, slots_reference = _op("gather_k_slots")
     batch, ctx = 4, 2048
+    # the same tokens by (sequence id, position) through the block table, for nsa.gather_k_slots
+    seq_ids = torch.arange(batch, dtype=torch.int32, device=DEV).repeat_interleave(ctx)
+    positions = torch.arange(ctx, device=DEV).repeat(batch)
     for name, layout in LAYOUTS.items():
         inputs = _paged_inputs(batch, ctx, layout)
         cache, block_table, page_size, preshuffle = inputs[1], inputs[4], inputs[6], inputs[7]
@@ -136,10 +140,6 @@ def bench_gather(args, rows: list[dict]) -> None:
         us = _bench(lambda: tk.gather_k(*call), args.quick)
         torch_us = None if args.no_torch else _bench(lambda: reference.gather_k(*call), True)
         rows.append(_bandwidth_row("gather_k", f"{name} T={batch * ctx}", us, torch_us, nbytes))
-        # the same tokens by (sequence id, position) through the block table: nsa.gather_k_slots
-        slots_tk, slots_reference = _op("gather_k_slots")
-        seq_ids = torch.arange(batch, dtype=torch.int32, device=DEV).repeat_interleave(ctx)
-        positions = torch.arange(ctx, device=DEV).repeat(batch)
         call = (cache, positions, page_size, preshuffle, torch.float8_e4m3fn, block_table, seq_ids)
         us = _bench(lambda: slots_tk.gather_k_slots(*call), args.quick)
         torch_us = None if args.no_torch else _bench(lambda: slots_reference.gather_k_slots(*call), True)

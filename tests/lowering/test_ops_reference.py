@@ -378,8 +378,7 @@ def test_head_gate_gemm_round_weight_needs_fp32_weight():
 
 @pytest.mark.parametrize(
     "name", ["quant_cache_store", "gather_k", "gather_k_slots", "paged_mqa_logits", "mqa_logits", "topk_indices",
-             "head_gate_gemm",
-             "wk_gate_gemm"]
+             "head_gate_gemm", "wk_gate_gemm"]
 )
 def test_opcheck(name):
     utils = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
