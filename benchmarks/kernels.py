@@ -310,7 +310,7 @@ def bench_topk(args, rows: list[dict]) -> None:
         for order in ("set", "sorted"):
             sort = order == "sorted"
             chosen = {"radix_split": tk.RADIX_SELECT_WARPS, "radix_row": tk.RADIX_ROW_WARPS}.get(path) or tk.warps_for(
-                batch, block, sort and k <= tk.MAX_SORTED_K and batch <= tk.MAX_SORTED_ROWS)
+                batch, block, tk.sorts_in_kernel(batch, k, sort))
             results = {w: graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
                        for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
             other_paths = {} if args.quick else {

@@ -355,11 +355,12 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
 @given(rows=st.integers(1, 3), cols=st.integers(1, 70), k_frac=st.floats(0, 1),
        kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
        sorted_=st.booleans(), with_lengths=st.booleans(), block=st.sampled_from([None, 16, 32]),
-       seed=st.integers(0, 99))
-def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, block, seed):
+       sort_chunk=st.sampled_from([None, 4, 16]), seed=st.integers(0, 99))
+def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, block,
+                                                sort_chunk, seed):
     """The bisection path on ties, all-equal rows, values equal but for their last bits, NaN of either sign, -inf
     tails; rows held in registers and rows streamed in blocks of 16 or 32 (every block boundary); every output slot
-    written."""
+    written; sorted in the select kernel or, for more survivors than a sort chunk, by the chunk sort."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
@@ -367,7 +368,7 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
     offset = -torch.arange(rows)
     out = torch.full((rows, k), 12345, dtype=torch.int32)
     got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block,
-                                                path="bisect")
+                                                path="bisect", sort_chunk=sort_chunk)
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
 
 
@@ -410,7 +411,7 @@ def test_topk_indices_kernel_at_length_edges(k):
     lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols], dtype=torch.int32)
     logits = adversarial_topk_logits(6, cols, "randn", k)
     tk = _kernels("topk_indices")
-    sizes = dict(block=8, segment=8, chunk=8)
+    sizes = dict(block=8, segment=8, chunk=8, sort_chunk=8)
     for path in tk.PATHS:
         for pad in ("neg1", "column"):
             for sorted_ in (False, True):

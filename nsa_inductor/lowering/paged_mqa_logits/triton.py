@@ -22,7 +22,7 @@ class PagedConfig:
     chunk: int = 1024
     block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         if self.chunk % self.block_n:
@@ -71,8 +71,10 @@ def _paged_mqa_logits_kernel(
 
     Per BLOCK_N keys: ``scores[s, (j,h)] = k8[s] . q8[b,j,h]`` in one fp8 dot (keys are the M side, so the head
     sum is a reduction along the dot's N side: mostly within a thread), then
-    ``logit[s, j] = sum_h w[j,h] * relu(scores * k_scale[s])``; chunks wholly past the context only store -inf, and
-    keys on an unreadable page (docs/indices.md) are -inf, never loaded.
+    ``logit[s, j] = k_scale[s] * sum_h w[j,h] * relu(scores)``: a scale is positive, so it leaves the relu and the
+    head sum (one multiply per key, not per head; the same bits as scaling first for power-of-two ue8m0 scales);
+    chunks wholly past the context only store -inf, and keys on an unreadable page (docs/indices.md) are -inf, never
+    loaded.
     """
     b = tl.program_id(0)
     start = tl.program_id(1) * CHUNK
@@ -111,12 +113,12 @@ def _paged_mqa_logits_kernel(
             k = tl.load(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE),
                         mask=load_ok[:, None], other=0.0)
             k_scale = tl.load(scales_ptr + scale_offsets(page, pos, PAGE_SIZE), mask=load_ok, other=0.0)
-            scores = tl.dot(k, tl.trans(q))
-            scores = tl.maximum(scores * k_scale[:, None], 0.0) * w[None, :]
+            scores = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
             if NEXT_N == 1:
                 logits = tl.sum(scores, axis=1)[:, None]
             else:
                 logits = tl.sum(tl.reshape(scores, [BLOCK_N, NEXT_N, HEADS_PAD]), axis=2)
+            logits = logits * k_scale[:, None]
             logits = tl.where((s[:, None] <= limit[None, :]) & load_ok[:, None], logits, float("-inf"))
             tl.store(out_ptr + out_row[None, :] + s[:, None], logits, mask=(s[:, None] < max_len) & row_ok[None, :])
         first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N

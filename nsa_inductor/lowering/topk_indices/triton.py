@@ -23,9 +23,8 @@ from .._triton_common import next_power_of_2
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
 MAX_BLOCK = 8192
-# Up to this k, and this many rows, the bisection's survivors are sorted in registers by its kernel (one sort per
-# program); more rows, on every path, are ordered by one batched torch sort after the kernels (BENCHMARKS.md, top-k).
-MAX_SORTED_K = 4096
+# Up to this many rows the sorted order is made by our kernels (`sorts_in_kernel`, `_sort_by_chunks`); more rows, on
+# every path, are ordered by one batched torch sort after them (BENCHMARKS.md, top-k).
 MAX_SORTED_ROWS = 256
 
 # How rows are selected (`path_for`): bisection over each row's keys; the radix pre-filter spread over (row, segment)
@@ -47,10 +46,10 @@ RADIX_ROW_MIN_ROWS = 256
 RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the final select's (BENCHMARKS.md, top-k: 4 beat 8 and 16)
-# The two-launch sort (the radix paths' sorted order up to MAX_SORTED_ROWS rows): entries per chunk sorted in
-# registers, and per program that places them (a quarter chunk: with one program per chunk the merge was a B=1
-# step's slowest kernel, BENCHMARKS.md).
-SORT_CHUNK = 256
+# The two-launch sort (sorted order up to MAX_SORTED_ROWS rows, of more survivors than one chunk): entries per chunk
+# sorted in registers (512 beat 256 and 1024 at 1-64 rows), and per program that places them (with one program per
+# chunk the merge was a B=1 step's slowest kernel; BENCHMARKS.md, top-k).
+SORT_CHUNK = 512
 MERGE_PART = 64
 
 
@@ -488,6 +487,13 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
     return 16 if sort_in_kernel else 8
 
 
+def sorts_in_kernel(rows: int, k: int, sorted: bool, sort_chunk: int = SORT_CHUNK) -> bool:
+    """Whether the bisection kernel sorts its survivors itself, in registers: up to one chunk of them. More go
+    through the two-launch chunk sort, which beat the in-register sort of 2048 (key, index) pairs by 8 us at 64 rows
+    (BENCHMARKS.md, top-k)."""
+    return sorted and k <= sort_chunk and rows <= MAX_SORTED_ROWS
+
+
 def path_for(rows: int, n_cols: int, k: int) -> str:
     """Which path selects (``PATHS``; measured crossovers: BENCHMARKS.md, top-k): few long rows spread over many
     programs (``radix_split``: <= 16 rows of 4K+ columns, <= 128 of 16K+; at 64 x 8192 it is faster alone but its
@@ -524,8 +530,8 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
                  path=None, segment=None, capacity=None, sort_chunk=None, chunk=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
-    the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path, and
-    ``segment``, ``capacity``, ``sort_chunk`` and ``chunk`` the radix paths' sizes."""
+    the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path,
+    ``segment``, ``capacity`` and ``chunk`` the radix paths' sizes, and ``sort_chunk`` the chunk sort's."""
     rows, n_cols = logits.shape
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
@@ -535,23 +541,21 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     offset_arg = offset if offset is not None else logits
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column")
     path = path or path_for(rows, n_cols, k)
+    sort_chunk = sort_chunk or SORT_CHUNK
     if path == "bisect":
-        sort_in_kernel = sorted and k <= MAX_SORTED_K and rows <= MAX_SORTED_ROWS
+        sort_in_kernel = sorts_in_kernel(rows, k, sorted, sort_chunk)
         _rows_topk(logits, k, lengths_arg, offset_arg, out, dict(flags, K_POW2=next_power_of_2(k)), sort_in_kernel,
                    block or block_for(n_cols), num_warps)
-        if sorted and not sort_in_kernel:
-            _sort_after(logits, lengths, offset, pad, out)
-        return out
-    capacity = min(capacity or radix_capacity(n_cols), n_cols)
-    if path == "radix_split":
+        sorted = sorted and not sort_in_kernel
+    elif path == "radix_split":
         default_segment, default_block = radix_sizes(rows, n_cols)
         _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
-                    capacity, num_warps)
+                    min(capacity or radix_capacity(n_cols), n_cols), num_warps)
     else:
         _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags, chunk or radix_row_chunk(rows),
-                        block or RADIX_ROW_BLOCK, capacity, num_warps)
+                        block or RADIX_ROW_BLOCK, min(capacity or radix_capacity(n_cols), n_cols), num_warps)
     if sorted and rows <= MAX_SORTED_ROWS:
-        _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk or SORT_CHUNK)
+        _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk)
     elif sorted:
         _sort_after(logits, lengths, offset, pad, out)
     return out
