@@ -102,6 +102,23 @@ def _count_at_least(src, cand_keys, u0, pos, n_pos, bound, GATHER: tl.constexpr,
 
 
 @triton.jit
+def _key_range(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """(lowest, highest) key among the positions that have one (keys > 0)."""
+    none = tl.full((BLOCK,), 0xFFFFFFFF, tl.uint32)
+    if ONE_BLOCK:
+        lowest = tl.min(tl.where(u0 > 0, u0, none), axis=0)
+        highest = tl.max(u0, axis=0)
+    else:
+        lowest = tl.full((), 0xFFFFFFFF, tl.uint32)
+        highest = tl.zeros((), tl.uint32)
+        for start in range(0, n_pos, BLOCK):
+            u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
+            lowest = tl.minimum(lowest, tl.min(tl.where(u > 0, u, none), axis=0))
+            highest = tl.maximum(highest, tl.max(u, axis=0))
+    return lowest, highest
+
+
+@triton.jit
 def _row_length(lengths, row, n_cols, HAS_LENGTHS: tl.constexpr):
     """Columns of ``row`` taking part: ``lengths[row]`` clamped to [0, n_cols], or all."""
     length = n_cols
@@ -122,11 +139,12 @@ def _row_shift(offset, row, HAS_OFFSET: tl.constexpr):
 @triton.jit
 def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
             COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
-            ONE_BLOCK: tl.constexpr):
+            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False):
     """Writes ``dst[0:take]``: the ``take`` largest keys among positions [0, n_pos) (the columns of ``src``, or with
     GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
-    shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``."""
+    shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
+    radix bin's, sharing their top bits, so the bisection settles the bits above the keys' range without counting."""
     pos = tl.arange(0, BLOCK)
     u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
 
@@ -145,9 +163,19 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     above_bound = tl.where(n_finite < take, n_finite, 0)
     shift = tl.full((), 31, tl.uint32)
     go = (take > 0) & (at_bound != take) & (n_finite >= take)
+    if ONE_BIN:
+        lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
     while go:
         trial = bound | (tl.full((), 1, tl.uint32) << shift)
-        count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+        if ONE_BIN:
+            if trial > highest:  # no key reaches the trial
+                count = tl.zeros((), tl.int32)
+            elif trial <= lowest:  # every key does
+                count = n_valid
+            else:
+                count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+        else:
+            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
         bound = tl.where(count >= take, trial, bound)
         above_bound = tl.where(count >= take, above_bound, count)
         at_bound = tl.where(count >= take, count, at_bound)
@@ -405,10 +433,10 @@ def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length
     the row itself)."""
     if n_cand <= tl.minimum(BLOCK, capacity):
         _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst, 0, shift_cols, True, False, False,
-                not PAD_COLUMNS, BLOCK, True)
+                not PAD_COLUMNS, BLOCK, True, True)
     elif n_cand <= capacity:
         _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst, 0, shift_cols, True, False, False,
-                not PAD_COLUMNS, BLOCK, False)
+                not PAD_COLUMNS, BLOCK, False, True)
     else:  # the candidates overflowed their buffer
         _select(src, row_keys, row_cols, length, take, dst, dst, 0, shift_cols, False, False, False, not PAD_COLUMNS,
                 BLOCK, False)
