@@ -517,7 +517,7 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
 
 def sorts_in_kernel(rows: int, k: int, sorted: bool, sort_chunk: int = SORT_CHUNK) -> bool:
     """Whether the bisection kernel sorts its survivors itself, in registers: up to one chunk of them. More go
-    through the two-launch chunk sort, which beat the in-register sort of 2048 (key, index) pairs by 8 us at 64 rows
+    through the two-launch chunk sort, which beat the in-register sort of 2048 (key, index) pairs at 64 rows
     (BENCHMARKS.md, top-k)."""
     return sorted and k <= sort_chunk and rows <= MAX_SORTED_ROWS
 
@@ -569,6 +569,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     offset_arg = offset if offset is not None else logits
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column")
     path = path or path_for(rows, n_cols, k)
+    capacity = min(capacity or radix_capacity(n_cols), n_cols)
     sort_chunk = sort_chunk or SORT_CHUNK
     if path == "bisect":
         sort_in_kernel = sorts_in_kernel(rows, k, sorted, sort_chunk)
@@ -578,10 +579,10 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     elif path == "radix_split":
         default_segment, default_block = radix_sizes(rows, n_cols)
         _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
-                    min(capacity or radix_capacity(n_cols), n_cols), num_warps)
+                    capacity, num_warps)
     else:
         _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags, chunk or radix_row_chunk(rows),
-                        block or RADIX_ROW_BLOCK, min(capacity or radix_capacity(n_cols), n_cols), num_warps)
+                        block or RADIX_ROW_BLOCK, capacity, num_warps)
     if sorted and rows <= MAX_SORTED_ROWS:
         _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk)
     elif sorted:
