@@ -124,6 +124,25 @@ def test_paged_mqa_logits(layout, heads, next_n):
     assert_logits_close(torch.ops.nsa.paged_mqa_logits(*gpu_args), want)
 
 
+def test_paged_mqa_logits_nan_scale_gives_nan():
+    """A key whose scale is NaN (its K row held NaN, docs/indices.md) has NaN logits, as eager's relu gives: the
+    kernel multiplies the scale after the head sum, where a GPU max(NaN, 0) inside the relu used to drop it."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, token = 64, 71
+    cache, block_table = random_paged_cache([200], page_size, FN, gen)
+    page = int(block_table[0, token // page_size])
+    scale_at = page_size * 128 + 4 * (token % page_size)
+    cache[page, scale_at:scale_at + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+    q = random_fp8((1, 1, 64, 128), FN, gen)
+    cpu_args = (q, cache, torch.randn(1, 64, generator=gen), torch.tensor([200], dtype=torch.int32), block_table, 256,
+                page_size, False)
+    got = torch.ops.nsa.paged_mqa_logits(*(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in cpu_args)).cpu()
+    want = paged_logits64(*cpu_args)
+    assert got[0, token].isnan() and want[0, token].isnan()
+    others = torch.arange(256) != token
+    assert_logits_close(got[:, others], want[:, others])
+
+
 @pytest.mark.parametrize("heads", [32, 64])
 def test_mqa_logits_causal_prefill(heads):
     gen = torch.Generator().manual_seed(3)
