@@ -337,6 +337,13 @@ def _radix_digit(x):
 
 
 @triton.jit
+def _digit_counts(src, col, length):
+    """How many of the row's columns ``col`` (those below ``length``) fall in each radix bin."""
+    x = tl.load(src + col, mask=col < length, other=0.0)
+    return tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
+
+
+@triton.jit
 def _at_least(counts):
     """Per radix bin, the columns in it or above, from the columns in each."""
     return tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
@@ -379,11 +386,8 @@ def _radix_histogram_kernel(logits, lengths, hist, n_cols, stride_row, n_segment
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    col = segment * SEGMENT + tl.arange(0, SEGMENT)
-    x = tl.load(logits + row * stride_row + col, mask=col < length, other=0.0)
-    counts = tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
-    bins = tl.arange(0, RADIX_BINS)
-    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + bins, _at_least(counts))
+    counts = _digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT), length)
+    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), _at_least(counts))
 
 
 @triton.jit
@@ -443,16 +447,22 @@ def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length
 
 
 @triton.jit
+def _row_start(logits, lengths, offset, out, n_cols, stride_row, k, HAS_LENGTHS: tl.constexpr,
+               HAS_OFFSET: tl.constexpr):
+    """A per-row program's (row, its logits, length, how many it takes, its output row, column shift)."""
+    row = tl.program_id(0).to(tl.int64)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    return (row, logits + row * stride_row, length, tl.minimum(k, length), out + row * k,
+            _row_shift(offset, row, HAS_OFFSET))
+
+
+@triton.jit
 def _radix_select_kernel(logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
                          BLOCK: tl.constexpr):
     """Program per row: the rest of its top k among the boundary bin's candidates, then the padding."""
-    row = tl.program_id(0).to(tl.int64)
-    src = logits + row * stride_row
-    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    take = tl.minimum(k, length)
-    dst = out + row * k
-    shift_cols = _row_shift(offset, row, HAS_OFFSET)
+    row, src, length, take, dst, shift_cols = _row_start(logits, lengths, offset, out, n_cols, stride_row, k,
+                                                         HAS_LENGTHS, HAS_OFFSET)
     if take > 0:
         _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(meta + row * 2 + 1),
                            tl.load(meta + row * 2), take, dst, length, shift_cols, capacity, PAD_COLUMNS, BLOCK)
@@ -466,21 +476,15 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
     """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
     its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
     among those, the padding."""
-    row = tl.program_id(0).to(tl.int64)
-    src = logits + row * stride_row
-    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    take = tl.minimum(k, length)
-    dst = out + row * k
-    shift_cols = _row_shift(offset, row, HAS_OFFSET)
+    row, src, length, take, dst, shift_cols = _row_start(logits, lengths, offset, out, n_cols, stride_row, k,
+                                                         HAS_LENGTHS, HAS_OFFSET)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     pos = tl.arange(0, CHUNK)
     if take > 0:
         counts = tl.zeros((RADIX_BINS,), tl.int32)
         for start in range(0, length, CHUNK):
-            col = start + pos
-            x = tl.load(src + col, mask=col < length, other=0.0)
-            counts += tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
+            counts += _digit_counts(src, start + pos, length)
         b, above, n_cand = _boundary_bin(_at_least(counts), take)
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
