@@ -36,6 +36,7 @@ ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
 EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
 RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_digit`)
+INTERPOLATION_STEPS = tl.constexpr(12)  # trials placed by interpolation before the search halves (`_select`)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
@@ -144,43 +145,47 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
     shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
-    radix bin's, sharing their top bits, so the bisection settles the bits above the keys' range without counting."""
+    radix bin's, close together, so the search starts from their range (one pass) instead of all keys."""
     pos = tl.arange(0, BLOCK)
     u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
 
-    # Invariants of the bisection on the key bits, top down: count(key >= bound) = at_bound >= take, and
-    # above_bound = count(key >= the last bound that failed) < take, i.e. count(key > bound) once all bits are set.
-    # With fewer than `take` values above -inf it is over at once: the -inf entries are the ties at the bound.
-    # (take = 0 starts at the highest key: nothing is above it, and no tie is needed.)
+    # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
+    # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
+    # hi == lo + 1 (lo is the take-th key; above_bound of the keys are above it). Each CTA-wide count is one step
+    # after another, so each trial is placed where the two counts say the take-th key lies (interpolation: ~10
+    # steps on random rows where halving the bracket takes ~20), halving it after INTERPOLATION_STEPS (ties: then at
+    # most 32 more). With fewer than `take` values above -inf it is over at once: the -inf entries are the ties at
+    # the bound; take = 0 starts at the highest key: nothing is above it, and no tie is needed.
     n_valid = n_pos
     if COUNT_VALID:
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
     n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
-    bound = tl.full((), 0, tl.uint32)
-    bound = tl.where(n_finite < take, tl.full((), KEY_NEG_INF, tl.uint32), bound)
-    bound = tl.where(take == 0, tl.full((), 0xFFFFFFFF, tl.uint32), bound)
-    at_bound = n_valid
-    above_bound = tl.where(n_finite < take, n_finite, 0)
-    shift = tl.full((), 31, tl.uint32)
-    go = (take > 0) & (at_bound != take) & (n_finite >= take)
+    searching = (take > 0) & (n_finite >= take)
+    lo = tl.where(searching, KEY_NEG_INF + 1, tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF)).to(tl.int64)
+    hi = tl.full((), 1 << 32, tl.int64)
     if ONE_BIN:
         lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
+        lo = tl.where(searching, tl.maximum(lo, lowest.to(tl.int64)), lo)
+        hi = tl.where(searching, highest.to(tl.int64) + 1, hi)
+    at_bound = tl.where(searching, n_finite, n_valid)
+    above_bound = tl.where(n_finite < take, n_finite, 0)
+    go = searching & (at_bound != take) & (hi - lo > 1)
+    step = 0
     while go:
-        trial = bound | (tl.full((), 1, tl.uint32) << shift)
-        if ONE_BIN:
-            if trial > highest:  # no key reaches the trial
-                count = tl.zeros((), tl.int32)
-            elif trial <= lowest:  # every key does
-                count = n_valid
-            else:
-                count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+        if step < INTERPOLATION_STEPS:
+            share = (at_bound - take).to(tl.float32) / (at_bound - above_bound).to(tl.float32)
+            trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
         else:
-            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
-        bound = tl.where(count >= take, trial, bound)
-        above_bound = tl.where(count >= take, above_bound, count)
+            trial = (lo + hi) >> 1
+        trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
+        count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32), GATHER, BLOCK, ONE_BLOCK)
+        lo = tl.where(count >= take, trial, lo)
         at_bound = tl.where(count >= take, count, at_bound)
-        go = (at_bound != take) & (shift > 0)
-        shift -= 1
+        hi = tl.where(count >= take, hi, trial)
+        above_bound = tl.where(count >= take, above_bound, count)
+        go = (at_bound != take) & (hi - lo > 1)
+        step += 1
+    bound = lo.to(tl.uint32)
 
     # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
     exact = at_bound == take
