@@ -355,29 +355,20 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
 @given(rows=st.integers(1, 3), cols=st.integers(1, 70), k_frac=st.floats(0, 1),
        kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
        sorted_=st.booleans(), with_lengths=st.booleans(), block=st.sampled_from([None, 16, 32]),
-       sort_chunk=st.sampled_from([None, 4, 16]), interpolation_steps=st.sampled_from([None, 0, 2]),
-       seed=st.integers(0, 99))
+       sort_chunk=st.sampled_from([None, 4, 16]), seed=st.integers(0, 99))
 def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, block,
-                                                sort_chunk, interpolation_steps, seed):
+                                                sort_chunk, seed):
     """The bisection path on ties, all-equal rows, values equal but for their last bits, NaN of either sign, -inf
     tails; rows held in registers and rows streamed in blocks of 16 or 32 (every block boundary); every output slot
-    written; sorted in the select kernel or, for more survivors than a sort chunk, by the chunk sort. The search
-    interpolates its first trials and then halves: also with no interpolated trial (0) and with 2 before halving."""
+    written; sorted in the select kernel or, for more survivors than a sort chunk, by the chunk sort."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
         if with_lengths else None
     offset = -torch.arange(rows)
     out = torch.full((rows, k), 12345, dtype=torch.int32)
-    tk = _kernels("topk_indices")
-    default_steps = tk.INTERPOLATION_STEPS
-    if interpolation_steps is not None:
-        tk.INTERPOLATION_STEPS = type(default_steps)(interpolation_steps)
-    try:
-        got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block, path="bisect",
-                              sort_chunk=sort_chunk)
-    finally:
-        tk.INTERPOLATION_STEPS = default_steps
+    got = _kernels("topk_indices").topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block,
+                                                path="bisect", sort_chunk=sort_chunk)
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
 
 
@@ -387,13 +378,16 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
        kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
        sorted_=st.booleans(), with_lengths=st.booleans(), path=st.sampled_from(["radix_split", "radix_row"]),
        segment=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]),
-       sort_chunk=st.sampled_from([4, 16]), merge_part=st.sampled_from([4, 64]), seed=st.integers(0, 99))
+       sort_chunk=st.sampled_from([4, 16]), merge_part=st.sampled_from([4, 64]),
+       interpolation_steps=st.sampled_from([None, 0, 2]), seed=st.integers(0, 99))
 def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
-                                                    segment, block, capacity, sort_chunk, merge_part, seed):
+                                                    segment, block, capacity, sort_chunk, merge_part,
+                                                    interpolation_steps, seed):
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
     row in three launches, or per row in one, in chunks of `segment` columns) on the same rows: candidates held in
     registers, streamed, or overflowing their buffer (the row selected again); sorted by chunks of 4 or 16 entries
-    merged by rank, a chunk's entries placed by one program or by parts of 4; the output's neighbours untouched."""
+    merged by rank, a chunk's entries placed by one program or by parts of 4; the output's neighbours untouched.
+    The candidates' search interpolates its first trials, then halves: also with none (0) or 2 before halving."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
@@ -402,11 +396,14 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
     guarded = torch.full((rows + 2, k), 12345, dtype=torch.int32)
     tk = _kernels("topk_indices")
     default_part, tk.MERGE_PART = tk.MERGE_PART, merge_part
+    default_steps = tk.INTERPOLATION_STEPS
+    if interpolation_steps is not None:
+        tk.INTERPOLATION_STEPS = type(default_steps)(interpolation_steps)
     try:
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
                               segment=segment, chunk=segment, capacity=capacity, sort_chunk=sort_chunk)
     finally:
-        tk.MERGE_PART = default_part
+        tk.MERGE_PART, tk.INTERPOLATION_STEPS = default_part, default_steps
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
     assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 

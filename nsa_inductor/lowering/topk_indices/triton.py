@@ -36,7 +36,7 @@ ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
 EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
 RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_digit`)
-INTERPOLATION_STEPS = tl.constexpr(12)  # trials placed by interpolation before the search halves (`_select`)
+INTERPOLATION_STEPS = tl.constexpr(12)  # of the radix select's search, before it halves (`_select`)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
@@ -145,17 +145,17 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
     shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
-    radix bin's, close together, so the search starts from their range (one pass) instead of all keys."""
+    radix bin's, close together, so the search starts from their range (one pass) and interpolates."""
     pos = tl.arange(0, BLOCK)
     u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
 
     # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
     # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
-    # hi == lo + 1 (lo is the take-th key; above_bound of the keys are above it). Each CTA-wide count is one step
-    # after another, so each trial is placed where the two counts say the take-th key lies (interpolation: ~10
-    # steps on random rows where halving the bracket takes ~20), halving it after INTERPOLATION_STEPS (ties: then at
-    # most 32 more). With fewer than `take` values above -inf it is over at once: the -inf entries are the ties at
-    # the bound; take = 0 starts at the highest key: nothing is above it, and no tie is needed.
+    # hi == lo + 1 (lo is the take-th key; above_bound of the keys are above it). Each trial halves the bracket, or
+    # with ONE_BIN (keys spread evenly over a narrow range) is placed where the two counts say the take-th key lies,
+    # for the first INTERPOLATION_STEPS (then at most 32 halvings: ties). With fewer than `take` values above -inf
+    # it is over at once: the -inf entries are the ties at the bound; take = 0 starts at the highest key: nothing is
+    # above it, and no tie is needed.
     n_valid = n_pos
     if COUNT_VALID:
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
@@ -172,7 +172,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     go = searching & (at_bound != take) & (hi - lo > 1)
     step = 0
     while go:
-        if step < INTERPOLATION_STEPS:
+        if ONE_BIN and step < INTERPOLATION_STEPS:
             share = (at_bound - take).to(tl.float32) / (at_bound - above_bound).to(tl.float32)
             trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
         else:
