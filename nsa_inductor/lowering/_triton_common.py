@@ -195,18 +195,16 @@ def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
 @triton.jit
 def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
     """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. An fp32 ``R`` (``SPLIT``) enters as bf16
-    ``hi + lo`` (:func:`split_bf16`: two dots, R to ~16 bits); where every ``lo`` is 0 (a bf16-exact R: the +-1
-    Hadamard) the second dot, which would add only zeros, is skipped. A bf16 ``R`` enters as is. ``R`` is read
-    through its strides: a transposed view (``F.linear``'s weight) is not copied."""
+    ``hi + lo`` (:func:`split_bf16`: two dots, R to ~16 bits; a +-1 Hadamard has ``lo = 0`` and is exact); a bf16
+    one as is. ``R`` is read through its strides: a transposed view (``F.linear``'s weight) is not copied."""
     d = tl.arange(0, 128)
     r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
     acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
     if SPLIT:
         hi, lo = split_bf16(r)
         acc = dot_bf16(acc, x, hi, ON_GPU)
-        if tl.sum(tl.sum((lo != 0).to(tl.int32), axis=1), axis=0) > 0:  # a bf16-exact R (the Hadamard) has no lo
-            low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
-            acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
+        low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
+        acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
     else:
         acc = dot_bf16(acc, x, r, ON_GPU)
     return acc
