@@ -24,7 +24,7 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
     d = tl.arange(0, 128)
     in_range = r < rows
     offsets = r[:, None].to(tl.int64) * 128 + d[None, :]
-    x = tl.load(x_ptr + offsets, mask=in_range[:, None], other=0.0)
+    x = tl.load(x_ptr + offsets, mask=in_range[:, None], other=1.0)  # not 0: `_quant_store_kernel`'s note
     y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
     y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
     groups: tl.constexpr = 128 // QUANT_BLOCK

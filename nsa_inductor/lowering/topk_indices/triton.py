@@ -151,41 +151,54 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
 
     # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
     # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
-    # hi == lo + 1 (lo is the take-th key; above_bound of the keys are above it). Each trial halves the bracket, or
-    # with ONE_BIN (keys spread evenly over a narrow range) is placed where the two counts say the take-th key lies,
-    # for the first INTERPOLATION_STEPS (then at most 32 halvings: ties). With fewer than `take` values above -inf
-    # it is over at once: the -inf entries are the ties at the bound; take = 0 starts at the highest key: nothing is
-    # above it, and no tie is needed.
+    # hi == lo + 1 (lo, the bound, is the take-th key; above_bound of the keys are above it). With ONE_BIN (keys
+    # spread evenly over a narrow range) the first INTERPOLATION_STEPS trials go where the two counts say the
+    # take-th key lies, then the bracket halves (ties); else it halves on the key bits from the top, the cheapest
+    # step where interpolation does not pay (BENCHMARKS.md, top-k). With fewer than `take` values above -inf it is
+    # over at once: the -inf entries are the ties at the bound; take = 0 starts at the highest key: nothing is above
+    # it, and no tie is needed.
     n_valid = n_pos
     if COUNT_VALID:
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
     n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
     searching = (take > 0) & (n_finite >= take)
-    lo = tl.where(searching, KEY_NEG_INF + 1, tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF)).to(tl.int64)
-    hi = tl.full((), 1 << 32, tl.int64)
+    above_bound = tl.where(n_finite < take, n_finite, 0)
     if ONE_BIN:
+        lo = tl.where(searching, KEY_NEG_INF + 1, tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF)).to(tl.int64)
         lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
         lo = tl.where(searching, tl.maximum(lo, lowest.to(tl.int64)), lo)
-        hi = tl.where(searching, highest.to(tl.int64) + 1, hi)
-    at_bound = tl.where(searching, n_finite, n_valid)
-    above_bound = tl.where(n_finite < take, n_finite, 0)
-    go = searching & (at_bound != take) & (hi - lo > 1)
-    step = 0
-    while go:
-        if ONE_BIN and step < INTERPOLATION_STEPS:
-            share = (at_bound - take).to(tl.float32) / (at_bound - above_bound).to(tl.float32)
-            trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
-        else:
-            trial = (lo + hi) >> 1
-        trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
-        count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32), GATHER, BLOCK, ONE_BLOCK)
-        lo = tl.where(count >= take, trial, lo)
-        at_bound = tl.where(count >= take, count, at_bound)
-        hi = tl.where(count >= take, hi, trial)
-        above_bound = tl.where(count >= take, above_bound, count)
-        go = (at_bound != take) & (hi - lo > 1)
-        step += 1
-    bound = lo.to(tl.uint32)
+        hi = tl.where(searching, highest.to(tl.int64) + 1, tl.full((), 1 << 32, tl.int64))
+        at_bound = tl.where(searching, n_finite, n_valid)
+        go = searching & (at_bound != take) & (hi - lo > 1)
+        step = 0
+        while go:
+            if step < INTERPOLATION_STEPS:
+                share = (at_bound - take).to(tl.float32) / (at_bound - above_bound).to(tl.float32)
+                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
+            else:
+                trial = (lo + hi) >> 1
+            trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
+            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32), GATHER, BLOCK, ONE_BLOCK)
+            lo = tl.where(count >= take, trial, lo)
+            at_bound = tl.where(count >= take, count, at_bound)
+            hi = tl.where(count >= take, hi, trial)
+            above_bound = tl.where(count >= take, above_bound, count)
+            go = (at_bound != take) & (hi - lo > 1)
+            step += 1
+        bound = lo.to(tl.uint32)
+    else:  # halving on the key bits from the top: hi = bound + 2^(shift + 1)
+        bound = tl.where(searching, 0, tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF)).to(tl.uint32)
+        at_bound = n_valid
+        shift = tl.full((), 31, tl.uint32)
+        go = searching & (at_bound != take)
+        while go:
+            trial = bound | (tl.full((), 1, tl.uint32) << shift)
+            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+            bound = tl.where(count >= take, trial, bound)
+            above_bound = tl.where(count >= take, above_bound, count)
+            at_bound = tl.where(count >= take, count, at_bound)
+            go = (at_bound != take) & (shift > 0)
+            shift -= 1
 
     # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
     exact = at_bound == take
