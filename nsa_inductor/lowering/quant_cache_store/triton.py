@@ -55,7 +55,7 @@ def _quant_store_kernel(
     d = tl.arange(0, 128)
     in_range = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
-    # rows past the last token load 1.0, not 0: zero numerators send the quantizer's IEEE division to its slow path
+    # rows past the last token load 1.0, not 0: tiles with rows of zeros were slower to quantize (BENCHMARKS.md)
     x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=1.0)
     if ROTATE:
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)

@@ -7,7 +7,7 @@ The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts
 or above the bound are exactly the ones wanted (a longer row is split: one program per segment selects its top k,
 then one per row among those); it needs the whole row in registers, so few programs fit an SM. The radix pre-filter
 takes a histogram of an 8-bit digit, writes the columns above the boundary bin at once and compacts those in it, and
-bisects among those candidates only: in three launches over (row, segment) programs where rows are few (every SM
+searches among those candidates only: in three launches over (row, segment) programs where rows are few (every SM
 busy), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
 per SM). No program waits on another (CUDA-graph safe). Costs on the H200: BENCHMARKS.md, top-k.
 """
