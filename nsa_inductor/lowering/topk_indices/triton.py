@@ -162,12 +162,12 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
     n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
     searching = (take > 0) & (n_finite >= take)
+    settled = tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF).to(tl.int64)  # the bound where no search runs
     above_bound = tl.where(n_finite < take, n_finite, 0)
     if ONE_BIN:
-        lo = tl.where(searching, KEY_NEG_INF + 1, tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF)).to(tl.int64)
         lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
-        lo = tl.where(searching, tl.maximum(lo, lowest.to(tl.int64)), lo)
-        hi = tl.where(searching, highest.to(tl.int64) + 1, tl.full((), 1 << 32, tl.int64))
+        lo = tl.where(searching, tl.maximum(lowest.to(tl.int64), KEY_NEG_INF + 1), settled)
+        hi = highest.to(tl.int64) + 1
         at_bound = tl.where(searching, n_finite, n_valid)
         go = searching & (at_bound != take) & (hi - lo > 1)
         step = 0
@@ -187,7 +187,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             step += 1
         bound = lo.to(tl.uint32)
     else:  # halving on the key bits from the top: hi = bound + 2^(shift + 1)
-        bound = tl.where(searching, 0, tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF)).to(tl.uint32)
+        bound = tl.where(searching, 0, settled).to(tl.uint32)
         at_bound = n_valid
         shift = tl.full((), 31, tl.uint32)
         go = searching & (at_bound != take)
