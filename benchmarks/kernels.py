@@ -194,18 +194,19 @@ def bench_rotate(args, rows: list[dict]) -> None:
     kernel with its ``(y * c).to(bf16)`` epilogue (the compiled path before this pass). CUDA-graph timing (GPU time,
     no launch cost); the sweep tries the kernel's rows per program."""
     from nsa_inductor.indexer import hadamard_matrix
+    from nsa_inductor.lowering._triton_common import rotation_tile_rows
     from nsa_inductor.quant import act_quant
 
     tk, _ = _op("rotate_act_quant")
     store, _ = _op("quant_cache_store")
     h = hadamard_matrix(128).to(DEV)
     c = 128**-0.5
-    for tokens in (1, 8, 64):
+    for tokens in (1, 8, 64, 256):
         x = torch.randn(tokens, 64, 128, device=DEV).bfloat16()
         call = (x, h, c, False, 128, "ue8m0", torch.float8_e4m3fn, 448.0)
-        blocks = sorted({tk.block_rows(tokens * 64), 16, 32, 64})
-        results = {b: graph_us(lambda b=b: tk.rotate_act_quant(*call, block_m=b)) for b in blocks}
-        default = tk.block_rows(tokens * 64)
+        default = rotation_tile_rows(tokens * 64, 32)
+        results = {b: graph_us(lambda b=b: tk.rotate_act_quant(*call, block_m=b))
+                   for b in sorted({default, 1, 2, 16, 32})}
         torch_us = None if args.no_torch else graph_us(lambda: act_quant((x.float() @ h * c).to(torch.bfloat16)))
         nbytes = x.numel() * 2 + h.numel() * 4 + x.numel() + tokens * 64 * 4
         rows.append({**_bandwidth_row("rotate_act_quant", f"q M={tokens}x64 rows (vs eager GEMM + act_quant)",
@@ -216,12 +217,15 @@ def bench_rotate(args, rows: list[dict]) -> None:
         k = torch.randn(tokens, 128, device=DEV).bfloat16()
         slots = torch.randperm(1 << 16, device=DEV)[:tokens]
         fused = (k, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16, False, h)
-        us = graph_us(lambda: store.quant_cache_store(*fused))
+        default = rotation_tile_rows(tokens, 16)
+        results = {b: graph_us(lambda b=b: store.quant_cache_store(*fused, block_t=b))
+                   for b in sorted({default, 1, 2, 16})}
         unfused = None if args.no_torch else graph_us(lambda: store.quant_cache_store(
             k.float() @ h, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16))
         nbytes = k.numel() * 2 + h.numel() * 4 + tokens * 132 + tokens * 8
-        rows.append(_bandwidth_row("quant_cache_store+rotation",
-                                   f"k M={tokens} (vs cuBLAS GEMM + store epilogue)", us, unfused, nbytes))
+        rows.append({**_bandwidth_row("quant_cache_store+rotation", f"k M={tokens} (vs cuBLAS GEMM + store epilogue)",
+                                      results[default], unfused, nbytes),
+                     "config": f"block_t {default}", "sweep": {f"block_t {b}": t for b, t in results.items()}})
 
 
 XGEMM_ROWS = (1, 4, 8, 64, 256, 4096)

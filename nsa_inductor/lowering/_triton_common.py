@@ -192,13 +192,32 @@ def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
     return acc
 
 
+def rotation_tile_rows(rows: int, dot_rows: int) -> int:
+    """Rows per program of a kernel with a rotation (:func:`rotate_rows`): one up to 128 rows, two up to 1024 (the
+    fp32 row path, one program per row or pair: decode), else ``dot_rows`` (16 or more, for ``tl.dot``)."""
+    return 1 if rows <= 128 else 2 if rows <= 1024 else dot_rows
+
+
 @triton.jit
 def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
-    """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. An fp32 ``R`` (``SPLIT``) enters as bf16
-    ``hi + lo`` (:func:`split_bf16`: two dots, R to ~16 bits; a +-1 Hadamard has ``lo = 0`` and is exact); a bf16
-    one as is. ``R`` is read through its strides: a transposed view (``F.linear``'s weight) is not copied."""
+    """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. ``R`` is read through its strides: a
+    transposed view (``F.linear``'s weight) is not copied.
+
+    Tiles under 16 rows (decode: one or two rows a program) multiply in fp32, row by row: the whole fp32 ``R``, the
+    products as eager's fp32 GEMM forms them, summed in a tree (+0.0 after it: an all-zero row sums to +0 as in a
+    GEMM, not to -0). Larger tiles use ``tl.dot``, which needs 16 rows: an fp32 ``R`` (``SPLIT``) enters as bf16
+    ``hi + lo`` (:func:`split_bf16`: two dots, R to ~16 bits; a +-1 Hadamard has ``lo = 0`` and is exact), a bf16
+    one as is. The small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small tiles")."""
     d = tl.arange(0, 128)
     r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
+    if BLOCK < 16:
+        row = tl.arange(0, BLOCK)[:, None]
+        x = x.to(tl.float32)
+        acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
+        for i in tl.static_range(BLOCK):
+            xi = tl.sum(tl.where(row == i, x, 0.0), axis=0)  # row i as a column vector
+            acc = tl.where(row == i, (tl.sum(xi[:, None] * r, axis=0) + 0.0)[None, :], acc)
+        return acc
     acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
     if SPLIT:
         hi, lo = split_bf16(r)

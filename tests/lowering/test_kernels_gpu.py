@@ -372,9 +372,11 @@ def test_ops_capture_in_cuda_graph():
 
 
 def _rotation_rows(rows: int, gen) -> torch.Tensor:
-    """q/k-like rows of varied magnitude, plus rows whose +-1 sums are exact in any order."""
+    """q/k-like rows of varied magnitude, plus rows whose +-1 sums are exact in any order (the last all -0.0: a
+    GEMM sums it to +0)."""
     varied = torch.randn(rows, 128, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
-    return torch.cat([varied.bfloat16(), integer_rows(64, gen)]).to(DEV)
+    negative_zeros = torch.full((1, 128), -0.0, dtype=torch.bfloat16)
+    return torch.cat([varied.bfloat16(), integer_rows(63, gen), negative_zeros]).to(DEV)
 
 
 @pytest.mark.parametrize("rows", [1, 64, 512, 4096])
@@ -399,9 +401,10 @@ def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
         assert torch.equal(got[1][exact], want[1][exact])
 
 
-def test_quant_cache_store_rotation_prologue_against_reference():
+@pytest.mark.parametrize("block_t", [None, 1, 16])
+def test_quant_cache_store_rotation_prologue_against_reference(block_t):
     """The k side: the store's rotation prologue and ``/ sqrt(128)`` epilogue within the contract, untouched bytes
-    kept, exact rows bit-identical."""
+    kept, exact rows bit-identical; the launcher's tiles (pairs at this size), one row a program, dot tiles."""
     gen = torch.Generator().manual_seed(5)
     k = _rotation_rows(1000, gen)
     layout = KCacheLayout(64)
@@ -410,7 +413,7 @@ def test_quant_cache_store_rotation_prologue_against_reference():
     cache = torch.randint(0, 256, (40, layout.page_bytes), dtype=torch.uint8, generator=gen).to(DEV)
     want = cache.clone()
     args = ("ue8m0", FN, 128**0.5, torch.bfloat16, True, hadamard_matrix(128).to(DEV))
-    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, *args)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, *args, block_t=block_t)
     _op_ref("quant_cache_store").quant_cache_store(k, want, slots, 64, False, *args)
     keep = slots[slots >= 0]
     assert_fp8_close(layout.load(cache, keep, FN), layout.load(want, keep, FN), values_frac=1e-4, scales_frac=1e-3)

@@ -480,20 +480,22 @@ ROTATIONS = {"hadamard32": lambda: hadamard_matrix(128), "hadamard_bf16": lambda
 
 @child_only
 @pytest.mark.parametrize("rotation", sorted(ROTATIONS))
-@pytest.mark.parametrize("rows, quant_block, scale, divide, dtype, fmax",
-                         [(1, 128, 128**-0.5, False, FN, 448.0), (17, 32, 128**0.5, True, FN, 448.0),
-                          (40, 128, 1.0, False, FNUZ, 224.0), (0, 64, 0.5, False, FN, 448.0),
-                          (33, 16, 128**-0.5, False, FNUZ, 240.0)])
+@pytest.mark.parametrize("rows, quant_block, scale, divide, dtype, fmax, block_m",
+                         [(1, 128, 128**-0.5, False, FN, 448.0, None), (17, 32, 128**0.5, True, FN, 448.0, 2),
+                          (40, 128, 1.0, False, FNUZ, 224.0, 16), (0, 64, 0.5, False, FN, 448.0, None),
+                          (33, 16, 128**-0.5, False, FNUZ, 240.0, None), (33, 64, 128**-0.5, False, FN, 448.0, 32)])
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
 def test_rotate_act_quant_matches_reference_exactly_where_sums_are_exact(rotation, rows, quant_block, scale, divide,
-                                                                         dtype, fmax, scale_fmt):
+                                                                         dtype, fmax, block_m, scale_fmt):
     """Rows whose +-1 sums are exact in fp32 in any order: the kernel's bytes are the reference's (scale, bf16
-    rounding, groups, row edges, a transposed rotation view, both fp8 types, a clamp below the type's max)."""
+    rounding, groups, row edges, a transposed rotation view, both fp8 types, a clamp below the type's max), on the
+    fp32 row path (one row a program by default at these sizes, pairs with an odd last one) and the dot tiles."""
     from nsa_inductor.lowering.rotate_act_quant import reference
 
     x = integer_rows(rows, torch.Generator().manual_seed(rows)).view(rows, 1, 128)
     matrix = ROTATIONS[rotation]()
-    got = _kernels("rotate_act_quant").rotate_act_quant(x, matrix, scale, divide, quant_block, scale_fmt, dtype, fmax)
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, matrix, scale, divide, quant_block, scale_fmt, dtype, fmax,
+                                                        block_m=block_m)
     want = reference.rotate_act_quant(x, matrix, scale, divide, quant_block, scale_fmt, dtype, fmax)
     assert got[0].shape == want[0].shape and got[1].shape == want[1].shape == (rows, 1, 128 // quant_block)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
@@ -502,42 +504,50 @@ def test_rotate_act_quant_matches_reference_exactly_where_sums_are_exact(rotatio
 
 @child_only
 @pytest.mark.parametrize("rotation", ["hadamard32", "hadamard_bf16"])
-def test_rotate_act_quant_nan_and_inf_rows_as_the_reference(rotation):
+@pytest.mark.parametrize("block_m", [1, 2, 16])
+def test_rotate_act_quant_nan_and_inf_rows_as_the_reference(rotation, block_m):
     """A NaN in a row makes that row's values and scale NaN; an inf makes its scale inf and its values NaN, as the
-    reference (fp32 GEMM) computes them, also where the fp32 matrix enters as hi + lo (inf times lo's zeros)."""
+    reference (fp32 GEMM) computes them, also where the fp32 matrix enters as hi + lo (inf times lo's zeros); a row
+    of -0.0 quantizes to +0 as the GEMM's sum is."""
     from nsa_inductor.lowering.rotate_act_quant import reference
 
-    x = integer_rows(4, torch.Generator().manual_seed(3)).view(4, 1, 128)
+    x = integer_rows(5, torch.Generator().manual_seed(3)).view(5, 1, 128)
     x[1, 0, 7], x[2, 0, 100] = float("nan"), float("-inf")
+    x[4] = -0.0
     args = (ROTATIONS[rotation](), 128**-0.5, False, 128, "ue8m0", FN, 448.0)
-    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args)
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args, block_m=block_m)
     want = reference.rotate_act_quant(x, *args)
     assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(got[1].isinf(), want[1].isinf())
-    assert torch.equal(got[1][[0, 3]], want[1][[0, 3]]) and want[1][2].isinf().all()
+    assert torch.equal(got[1][[0, 3, 4]], want[1][[0, 3, 4]]) and want[1][2].isinf().all()
     got_v, want_v = got[0].float(), want[0].float()
     assert torch.equal(got_v.isnan(), want_v.isnan()) and want_v[[1, 2]].isnan().all()
-    assert torch.equal(got[0][[0, 3]].view(torch.uint8), want[0][[0, 3]].view(torch.uint8))
+    assert torch.equal(got[0][[0, 3, 4]].view(torch.uint8), want[0][[0, 3, 4]].view(torch.uint8))
+    assert (want[0][4].view(torch.uint8) == 0).all()  # +0, not -0
     assert (got[0][[1, 2]].view(torch.uint8) == 0x7F).all()  # the e4m3fn NaN code
 
 
 @child_only
-def test_rotate_act_quant_any_fp32_matrix_within_contract():
-    """A random fp32 matrix enters as bf16 hi + lo (~16 bits): one fp8 step at most, in few values."""
+@pytest.mark.parametrize("block_m", [1, 2, 16])
+def test_rotate_act_quant_any_fp32_matrix_within_contract(block_m):
+    """A random fp32 matrix: whole on the row path, bf16 hi + lo (~16 bits) in the dot tiles; one fp8 step at most,
+    in few values."""
     from nsa_inductor.lowering.rotate_act_quant import reference
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(300, 128, generator=gen).bfloat16()
     matrix = torch.randn(128, 128, generator=gen) / 11
     args = (matrix, 1.0, False, 128, "fp32", FN, 448.0)
-    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args)
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args, block_m=block_m)
     assert_fp8_close(got, reference.rotate_act_quant(x, *args), values_frac=1e-2, scales_frac=2e-2)
 
 
 @child_only
 @pytest.mark.parametrize("layout", [(16, False), (16, True)])
 @pytest.mark.parametrize("rotation", sorted(ROTATIONS))
-def test_quant_cache_store_rotation_prologue_matches_reference(layout, rotation):
-    """The store's rotation prologue (then the ``/ sqrt(128)`` epilogue and bf16 rounding), padding slots."""
+@pytest.mark.parametrize("block_t", [None, 2, 16])
+def test_quant_cache_store_rotation_prologue_matches_reference(layout, rotation, block_t):
+    """The store's rotation prologue (then the ``/ sqrt(128)`` epilogue and bf16 rounding), padding slots; row path
+    (one token a program by default, pairs) and dot tiles."""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     page_size, preshuffle = layout
@@ -549,7 +559,7 @@ def test_quant_cache_store_rotation_prologue_matches_reference(layout, rotation)
     want = cache.clone()
     args = ("ue8m0", FN, 128**0.5, torch.bfloat16, True, ROTATIONS[rotation]())
     reference.quant_cache_store(k, want, slots, page_size, preshuffle, *args)
-    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, page_size, preshuffle, *args)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, page_size, preshuffle, *args, block_t=block_t)
     assert torch.equal(cache, want)
 
 

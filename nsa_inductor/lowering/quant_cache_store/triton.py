@@ -12,7 +12,8 @@ import triton.language as tl
 
 from ...quant import fp8_max
 from .._triton_common import (cdiv, fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows,
-                              round_to_bf16, scale_constants, scale_offsets, scale_rows, value_offsets)
+                              rotation_tile_rows, round_to_bf16, scale_constants, scale_offsets, scale_rows,
+                              value_offsets)
 
 
 @triton.jit
@@ -89,12 +90,12 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
                       input_dtype=None, input_divide=False, rotation=None, block_t: int | None = None):
     """One launch: quantize ``k [T,128]`` (after the rotation prologue and the input epilogue) and store it into
     ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
-    tokens sharing a slot only the last writes it (both decided inside the kernel). A rotation is a ``tl.dot``,
-    which needs 16 rows a program."""
+    tokens sharing a slot only the last writes it (both decided inside the kernel). With a rotation, decode sizes
+    run a row or two per program (``rotation_tile_rows``), prefill tiles of 16 for ``tl.dot``."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    block_t = block_t or (4 if rotation is None else 16)
+    block_t = block_t or (4 if rotation is None else rotation_tile_rows(num_tokens, 16))
     rot = k if rotation is None else rotation  # any pointer: not read without a rotation
     kernel = _quant_store_kernel
     kernel[(cdiv(num_tokens, block_t),)](

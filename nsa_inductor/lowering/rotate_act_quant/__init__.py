@@ -1,12 +1,11 @@
 """``nsa.rotate_act_quant``: the indexer's Hadamard rotation and the act_quant after it, as one op.
 
 ``y = ((x.float() @ rotation) * scale).to(bf16)`` (``/ scale`` with ``divide``; eager's ``rotate_activation``),
-then ``act_quant(y)``: fp8 values and one fp32 scale per ``quant_block`` group. The Triton kernel multiplies a
-tile of rows by the rotation with ``tl.dot`` (an fp32 rotation split into bf16 hi + lo in registers, so any static
-128x128 matrix is applied to ~16 bits and a +-1 Hadamard exactly), so neither the fp32 GEMM output nor the bf16
-rotated rows reach memory. The
-products are summed in another order than cuBLAS: docs/numerics.md states which bytes may differ. aiter has no
-kernel for it: Triton on GPUs, the reference elsewhere.
+then ``act_quant(y)``: fp8 values and one fp32 scale per ``quant_block`` group. The Triton kernel multiplies one
+or two rows a program in fp32 (decode sizes), or a tile of rows with ``tl.dot`` (an fp32 rotation split into bf16
+hi + lo in registers, so any static 128x128 matrix is applied to ~16 bits and a +-1 Hadamard exactly), so neither
+the fp32 GEMM output nor the bf16 rotated rows reach memory. The products are summed in another order than cuBLAS:
+docs/numerics.md states which bytes may differ. aiter has no kernel for it: Triton on GPUs, the reference elsewhere.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128."""
+"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128 (1, 2 or 32)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
-                              scale_constants, scale_rows)
+from .._triton_common import (fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows,
+                              rotation_tile_rows, round_to_bf16, scale_constants, scale_rows)
 
 
 @triton.jit
@@ -40,11 +40,6 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                  mask=in_range[:, None])
 
 
-def block_rows(rows: int) -> int:
-    """Rows per program: ``tl.dot`` needs 16; decode (a few thousand rows) wants about one program per SM."""
-    return 16 if rows <= 1024 else 32
-
-
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max,
                      block_m: int | None = None):
     """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x``: one launch."""
@@ -53,7 +48,7 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
     rows = x.numel() // 128
     if rows == 0:
         return values, scales
-    block_m = block_m or block_rows(rows)
+    block_m = block_m or rotation_tile_rows(rows, 32)
     kernel = _rotate_act_quant_kernel
     kernel[(triton.cdiv(rows, block_m),)](
         x, rotation, values, scales, rows, *rotation.stride(), **scale_constants(scale, divide),
