@@ -194,7 +194,6 @@ def bench_rotate(args, rows: list[dict]) -> None:
     kernel with its ``(y * c).to(bf16)`` epilogue (the compiled path before this pass). CUDA-graph timing (GPU time,
     no launch cost); the sweep tries the kernel's rows per program."""
     from nsa_inductor.indexer import hadamard_matrix
-    from nsa_inductor.lowering._triton_common import rotation_tile_rows
     from nsa_inductor.quant import act_quant
 
     tk, _ = _op("rotate_act_quant")
@@ -204,7 +203,7 @@ def bench_rotate(args, rows: list[dict]) -> None:
     for tokens in (1, 8, 64, 256):
         x = torch.randn(tokens, 64, 128, device=DEV).bfloat16()
         call = (x, h, c, False, 128, "ue8m0", torch.float8_e4m3fn, 448.0)
-        default = rotation_tile_rows(tokens * 64, 32)
+        default = tk.block_rows(tokens * 64)
         results = {b: graph_us(lambda b=b: tk.rotate_act_quant(*call, block_m=b))
                    for b in sorted({default, 1, 2, 16, 32})}
         torch_us = None if args.no_torch else graph_us(lambda: act_quant((x.float() @ h * c).to(torch.bfloat16)))
@@ -217,7 +216,7 @@ def bench_rotate(args, rows: list[dict]) -> None:
         k = torch.randn(tokens, 128, device=DEV).bfloat16()
         slots = torch.randperm(1 << 16, device=DEV)[:tokens]
         fused = (k, cache, slots, 64, False, "ue8m0", torch.float8_e4m3fn, c, torch.bfloat16, False, h)
-        default = rotation_tile_rows(tokens, 16)
+        default = store.block_tokens(tokens, True)
         results = {b: graph_us(lambda b=b: store.quant_cache_store(*fused, block_t=b))
                    for b in sorted({default, 1, 2, 16})}
         unfused = None if args.no_torch else graph_us(lambda: store.quant_cache_store(

@@ -192,12 +192,6 @@ def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
     return acc
 
 
-def rotation_tile_rows(rows: int, dot_rows: int) -> int:
-    """Rows per program of a kernel with a rotation (:func:`rotate_rows`): one up to 128 rows, two up to 1024 (the
-    fp32 row path, one program per row or pair: decode), else ``dot_rows`` (16 or more, for ``tl.dot``)."""
-    return 1 if rows <= 128 else 2 if rows <= 1024 else dot_rows
-
-
 @triton.jit
 def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
     """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. ``R`` is read through its strides: a

@@ -12,8 +12,7 @@ import triton.language as tl
 
 from ...quant import fp8_max
 from .._triton_common import (cdiv, fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows,
-                              rotation_tile_rows, round_to_bf16, scale_constants, scale_offsets, scale_rows,
-                              value_offsets)
+                              round_to_bf16, scale_constants, scale_offsets, scale_rows, value_offsets)
 
 
 @triton.jit
@@ -86,16 +85,21 @@ def _quant_store_kernel(
 _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def block_tokens(num_tokens: int, rotate: bool) -> int:
+    """Tokens per program: 4 without a rotation; with one, a token per program on the fp32 row path up to 256
+    tokens (decode), else ``tl.dot`` tiles of 16 (BENCHMARKS.md "The rotation's small tiles")."""
+    return 4 if not rotate else 1 if num_tokens <= 256 else 16
+
+
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, block_t: int | None = None):
     """One launch: quantize ``k [T,128]`` (after the rotation prologue and the input epilogue) and store it into
     ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
-    tokens sharing a slot only the last writes it (both decided inside the kernel). With a rotation, decode sizes
-    run a row or two per program (``rotation_tile_rows``), prefill tiles of 16 for ``tl.dot``."""
+    tokens sharing a slot only the last writes it (both decided inside the kernel)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    block_t = block_t or (4 if rotation is None else rotation_tile_rows(num_tokens, 16))
+    block_t = block_t or block_tokens(num_tokens, rotation is not None)
     rot = k if rotation is None else rotation  # any pointer: not read without a rotation
     kernel = _quant_store_kernel
     kernel[(cdiv(num_tokens, block_t),)](

@@ -1,4 +1,4 @@
-"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128 (1, 2 or 32)."""
+"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows,
-                              rotation_tile_rows, round_to_bf16, scale_constants, scale_rows)
+from .._triton_common import (fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
+                              scale_constants, scale_rows)
 
 
 @triton.jit
@@ -40,6 +40,12 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                  mask=in_range[:, None])
 
 
+def block_rows(rows: int) -> int:
+    """Rows per program: one or two on the fp32 row path up to 1024 rows (decode up to B=16), then ``tl.dot`` tiles
+    of 16, and of 32 past 4096 rows (BENCHMARKS.md "The rotation's small tiles")."""
+    return 1 if rows <= 128 else 2 if rows <= 1024 else 16 if rows <= 4096 else 32
+
+
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max,
                      block_m: int | None = None):
     """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x``: one launch."""
@@ -48,7 +54,7 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
     rows = x.numel() // 128
     if rows == 0:
         return values, scales
-    block_m = block_m or rotation_tile_rows(rows, 32)
+    block_m = block_m or block_rows(rows)
     kernel = _rotate_act_quant_kernel
     kernel[(triton.cdiv(rows, block_m),)](
         x, rotation, values, scales, rows, *rotation.stride(), **scale_constants(scale, divide),
