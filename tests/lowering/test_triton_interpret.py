@@ -435,12 +435,12 @@ def test_topk_indices_kernel_at_length_edges(k):
 
 @child_only
 @pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
-@pytest.mark.parametrize("rows, cols, k, splits", [(1, 64, 448, 4), (0, 32, 128, 2), (17, 33, 130, 3),
-                                                   (40, 20, 65, 4), (70, 64, 1000, 1)])
-@pytest.mark.parametrize("config", [None, (64, 32, 3)])
+@pytest.mark.parametrize("rows, cols, k, splits, config", [
+    (*case, config) for case in [(1, 64, 448, 4), (0, 32, 128, 2), (17, 33, 130, 3), (40, 20, 65, 4), (70, 64, 1000, 1)]
+    for config in [None, (64, 32, 3), (1, 8, 3)] if config != (1, 8, 3) or case[0] <= 40])  # 70 one-row tiles: slow
 def test_head_gate_gemm_matches_reference(rows, cols, k, splits, mode, config):
     """Ragged M/N/K edges, chunks past K (empty: zeros), every element written (NaN-poisoned output); the default
-    tiling for these sizes and the large-M one."""
+    tiling for these sizes (the one-row FMA tile at M = 1), the large-M one and the one-row tile at every M."""
     from nsa_inductor.lowering.head_gate_gemm import reference
 
     tk = _kernels("head_gate_gemm")
@@ -455,10 +455,14 @@ def test_head_gate_gemm_matches_reference(rows, cols, k, splits, mode, config):
 
 @child_only
 @pytest.mark.parametrize("round_weight", [False, True])
-def test_head_gate_gemm_weight_rounding_is_exact(round_weight):
-    """x = identity: each output is one weight as the kernel split or rounded it, ties and carries included."""
+@pytest.mark.parametrize("config", [None, (1, 8, 3)])
+def test_head_gate_gemm_weight_rounding_is_exact(round_weight, config):
+    """x = identity: each output is one weight as the kernel split or rounded it, ties and carries included, in the
+    dot tiles and the one-row FMA tile."""
+    tk = _kernels("head_gate_gemm")
     weight = tie_weights(20, 70, torch.Generator().manual_seed(6))
-    got = _kernels("head_gate_gemm").head_gate_gemm(torch.eye(70).bfloat16(), weight, 2, round_weight).sum(0)
+    got = tk.head_gate_gemm(torch.eye(70).bfloat16(), weight, 2, round_weight,
+                            config=config and tk.HeadGateConfig(*config)).sum(0)
     assert torch.equal(got.double(), head_gate_weight64(weight, round_weight).T)
 
 
@@ -567,10 +571,11 @@ def test_quant_cache_store_rotation_prologue_matches_reference(layout, rotation,
 @pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
 @pytest.mark.parametrize("rows, gate_n, k_n, k, splits", [(1, 24, 40, 200, (4, 3)), (0, 16, 32, 128, (2, 2)),
                                                           (17, 33, 20, 130, (3, 5)), (5, 16, 48, 65, (1, 4))])
-@pytest.mark.parametrize("config", [None, (16, 32, 16, 128, 4, 2)])
+@pytest.mark.parametrize("config", [None, (16, 32, 16, 128, 4, 2), (1, 8, 16, 64, 8, 3)])
 def test_wk_gate_gemm_matches_reference(rows, gate_n, k_n, k, splits, mode, config):
     """Both products of one launch: M = 1 and odd M, N and K tails, chunks past K (zeros), different split counts
-    per product, every element of both outputs written (NaN-poisoned); the default tiling and a wider one."""
+    per product, every element of both outputs written (NaN-poisoned); the default tiling (the one-row FMA tile at
+    M = 1), a wider one and the one-row tile at every M."""
     from nsa_inductor.lowering.wk_gate_gemm import reference
 
     tk = _kernels("wk_gate_gemm")

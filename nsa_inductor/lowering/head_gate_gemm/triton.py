@@ -18,9 +18,13 @@ def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, str
                  stride_wk, WEIGHT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """``out[split, rows, cols] = x[rows, chunk split] @ w[cols, chunk split]^T`` for output tile (pid_m, pid_n) of
-    ``out [splits, m, n]``, bf16 dots accumulated in fp32. ``WEIGHT``: "bf16" (used as is), "round" (fp32 rounded
-    to bf16) or "split" (fp32 as hi + lo: hi = W with its low 16 bits cleared, lo = bf16(W - hi); two dots into one
-    accumulator). The fp32 weight is read once and split in registers: no bf16 copy of it is ever written."""
+    ``out [splits, m, n]``, accumulated in fp32. ``WEIGHT``: "bf16" (used as is), "round" (fp32 rounded to bf16) or
+    "split" (fp32 as hi + lo: hi = W with its low 16 bits cleared, lo = bf16(W - hi)). The fp32 weight is read once
+    and split in registers: no bf16 copy of it is ever written.
+
+    Tiles of 16+ rows multiply with bf16 dots (hi and lo: two dots into one accumulator). A one-row tile (B=1
+    decode, where a dot would waste 15 of its 16 rows) multiplies in fp32 FMA arithmetic: the same weight values
+    (``hi + lo`` is exact in fp32), products summed per column in a tree (BENCHMARKS.md "wk and gate for one row")."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = split * chunk
@@ -29,13 +33,23 @@ def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, str
     col_ok = cols < n
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_M == 1:
+        products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # per column and lane, summed after the loop
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_end
         x = tl.load(x_rows + kk[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if WEIGHT == "split":
+        if BLOCK_M == 1:
+            if WEIGHT == "split":
+                hi, lo = split_bf16(w)
+                w = hi + lo
+            elif WEIGHT == "round":
+                w = round_to_bf16(w)
+            products += w.to(tl.float32) * x.to(tl.float32)
+        elif WEIGHT == "split":
             hi, lo = split_bf16(w)
             acc = dot_bf16(acc, x, tl.trans(hi), ON_GPU)
             acc = dot_bf16(acc, x, tl.trans(lo), ON_GPU)
@@ -43,6 +57,8 @@ def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, str
             acc = dot_bf16(acc, x, tl.trans(round_to_bf16(w)), ON_GPU)
         else:
             acc = dot_bf16(acc, x, tl.trans(w), ON_GPU)
+    if BLOCK_M == 1:
+        acc = (tl.sum(products, axis=1) + 0.0)[None, :]  # +0.0: an all-zero sum is +0, as a dot's
     out = out_ptr + split.to(tl.int64) * m * n + rows[:, None].to(tl.int64) * n + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -67,9 +83,10 @@ class HeadGateConfig:
 
 @functools.lru_cache(maxsize=1024)  # per shape; a config is built once
 def _default_head_gate_config(rows: int) -> HeadGateConfig:
-    """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound)."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 64 else 64
-    block_n = 32 if rows > 512 else 16
+    """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound); one row
+    takes the FMA tile of ``split_k_tile``."""
+    block_m = 1 if rows == 1 else 16 if rows <= 16 else 32 if rows <= 64 else 64
+    block_n = 32 if rows > 512 else 8 if rows == 1 else 16
     return HeadGateConfig(block_m, block_n, 3 if rows > 2048 else 4)
 
 

@@ -30,8 +30,10 @@ class WkGateConfig:
 
 # DeepSeek-V3.2 on an H200 (K = 7168, gate [64, K] fp32, wk [128, K] bf16): decode is bound by load latency (the
 # previous head-gate kernel spent ~0.6 µs per K step), so decode tiles take long K steps and ~100 programs pull the
-# 3.6 MB of weights. The best of the H200 sweep (``benchmarks/kernels.py --only xgemm``; BENCHMARKS.md, wk_gate_gemm).
+# 3.6 MB of weights. The best of the H200 sweep (``benchmarks/kernels.py --only xgemm``; BENCHMARKS.md, wk_gate_gemm);
+# one row: the FMA tile of ``split_k_tile`` with the probe's best tiles (BENCHMARKS.md "wk and gate for one row").
 CONFIGS = (
+    WkGateConfig(1, block_m=1, gate_block_n=8, k_block_n=16, block_k=64, num_warps=8, num_stages=3),
     WkGateConfig(64, block_m=16, gate_block_n=32, k_block_n=64, block_k=128, num_stages=3),
     WkGateConfig(512, block_m=64, gate_block_n=16, k_block_n=32, block_k=128, num_stages=3),
     WkGateConfig(1 << 62, block_m=128, gate_block_n=64, k_block_n=64, num_warps=8, num_stages=3),
