@@ -312,8 +312,9 @@ def bench_topk(args, rows: list[dict]) -> None:
         path = tk.path_for(batch, width, k)
         for order in ("set", "sorted"):
             sort = order == "sorted"
+            sort_by = tk.sort_for(batch, k, path) if sort else None
             chosen = {"radix_split": tk.RADIX_SELECT_WARPS, "radix_row": tk.RADIX_ROW_WARPS}.get(path) or tk.warps_for(
-                batch, block, tk.sorts_in_kernel(batch, k, sort))
+                batch, block, sort_by == "in_kernel")
             results = {w: graph_us(lambda w=w: tk.topk_indices(logits, k, lengths, None, "neg1", sort, num_warps=w))
                        for w in sorted({chosen, 4, 8, 16} if not args.quick else {chosen})}
             other_paths = {} if args.quick else {
@@ -324,7 +325,7 @@ def bench_topk(args, rows: list[dict]) -> None:
                       "bisect": f"bisect: block {block}, segments {tk.segments_for(width, k, block)}"}[path]
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
                                           torch_us, nbytes),
-                         "config": f"{config}, {chosen} warps",
+                         "config": f"{config}, {chosen} warps" + (f", sorted by {sort_by}" if sort else ""),
                          "sweep": {f"{w} warps": t for w, t in results.items()} | {
                              f"path {p} (its default warps)": t for p, t in other_paths.items()}})
         del logits

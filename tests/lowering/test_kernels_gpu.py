@@ -236,17 +236,20 @@ def test_aiter_topk_indices_meets_the_contract(rows, cols, k, kind, pad):
     assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad)
 
 
-def test_topk_indices_replays_in_cuda_graph_with_new_lengths():
-    logits = topk_logits(8, 8192, 0.0, seed=3).to(DEV)
-    lengths = torch.full((8,), 8192, dtype=torch.int32, device=DEV)
+@pytest.mark.parametrize("rows", [8, 1])
+def test_topk_indices_replays_in_cuda_graph_with_new_lengths(rows):
+    """The split radix path's per-row arrival counts start from zero on every replay; sorted by chunks (8 rows) and
+    by ranks (1 row)."""
+    logits = topk_logits(8, 8192, 0.0, seed=3).to(DEV)[:rows]
+    lengths = torch.full((rows,), 8192, dtype=torch.int32, device=DEV)
     for sorted_ in (False, True):
         torch.ops.nsa.topk_indices(logits, 2048, lengths, None, "neg1", sorted_)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = torch.ops.nsa.topk_indices(logits, 2048, lengths, None, "neg1", sorted_)
-        lengths.copy_(torch.tensor([0, 1, 2047, 2048, 2049, 5000, 8191, 8192], dtype=torch.int32))
-        logits.copy_(topk_logits(8, 8192, 0.1, seed=4))
+        lengths.copy_(torch.tensor([5000, 1, 2047, 2048, 2049, 0, 8191, 8192], dtype=torch.int32)[:rows])
+        logits.copy_(topk_logits(8, 8192, 0.1, seed=4)[:rows])
         graph.replay()
         torch.cuda.synchronize()
         assert_topk_valid(logits.cpu(), got.cpu(), 2048, lengths.cpu(), None, "neg1", sorted_)

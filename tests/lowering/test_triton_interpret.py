@@ -378,16 +378,17 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
        kind=st.sampled_from(["ties", "equal", "close", "nan", "tail", "randn"]), pad=st.sampled_from(["neg1", "column"]),
        sorted_=st.booleans(), with_lengths=st.booleans(), path=st.sampled_from(["radix_split", "radix_row"]),
        segment=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]),
-       sort_chunk=st.sampled_from([4, 16]), merge_part=st.sampled_from([4, 64]),
-       interpolation_steps=st.sampled_from([None, 0, 2]), seed=st.integers(0, 99))
+       sort=st.sampled_from([None, "chunks"]), sort_chunk=st.sampled_from([4, 16]),
+       merge_part=st.sampled_from([4, 64]), interpolation_steps=st.sampled_from([None, 0, 2]), seed=st.integers(0, 99))
 def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
-                                                    segment, block, capacity, sort_chunk, merge_part,
+                                                    segment, block, capacity, sort, sort_chunk, merge_part,
                                                     interpolation_steps, seed):
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
-    row in three launches, or per row in one, in chunks of `segment` columns) on the same rows: candidates held in
-    registers, streamed, or overflowing their buffer (the row selected again); sorted by chunks of 4 or 16 entries
-    merged by rank, a chunk's entries placed by one program or by parts of 4; the output's neighbours untouched.
-    The candidates' search interpolates its first trials, then halves: also with none (0) or 2 before halving."""
+    row in two launches, the last program of a row to arrive selecting, or per row in one, in chunks of `segment`
+    columns) on the same rows: candidates held in registers, streamed, or overflowing their buffer (the row selected
+    again); sorted by ranks (the split path's few rows) or by chunks of 4 or 16 entries merged by rank, a chunk's
+    entries placed by one program or by parts of 4; the output's neighbours untouched. The candidates' search
+    interpolates its first trials, then halves: also with none (0) or 2 before halving."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
@@ -401,7 +402,7 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
         tk.INTERPOLATION_STEPS = type(default_steps)(interpolation_steps)
     try:
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
-                              segment=segment, chunk=segment, capacity=capacity, sort_chunk=sort_chunk)
+                              segment=segment, chunk=segment, capacity=capacity, sort=sort, sort_chunk=sort_chunk)
     finally:
         tk.MERGE_PART, tk.INTERPOLATION_STEPS = default_part, default_steps
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
@@ -409,10 +410,21 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
 
 
 @child_only
+def test_topk_indices_refuses_a_sort_its_path_cannot_make():
+    """The rank sort needs the keys only the split radix path writes; the in-register sort is the bisection's."""
+    tk = _kernels("topk_indices")
+    logits = torch.randn(2, 40)
+    with pytest.raises(ValueError, match="'ranks'"):
+        tk.topk_indices(logits, 4, None, None, sorted=True, path="bisect", sort="ranks")
+    with pytest.raises(ValueError, match="'in_kernel'"):
+        tk.topk_indices(logits, 4, None, None, sorted=True, path="radix_row", sort="in_kernel")
+
+
+@child_only
 @pytest.mark.parametrize("k", [0, 1, 6, 7, 8, 20])
 def test_topk_indices_kernel_at_length_edges(k):
-    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders, every path, both places each path
-    makes the order (in or beside its kernels for few rows, by torch after them for many)."""
+    """Lengths 0, 1, k-1, k, k+1 and N in one batch, both pads, both orders, every path, every way each path makes
+    the sorted order."""
     cols = 20
     lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols], dtype=torch.int32)
     logits = adversarial_topk_logits(6, cols, "randn", k)
@@ -420,17 +432,11 @@ def test_topk_indices_kernel_at_length_edges(k):
     sizes = dict(block=8, segment=8, chunk=8, sort_chunk=8)
     for path in tk.PATHS:
         for pad in ("neg1", "column"):
-            for sorted_ in (False, True):
-                got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, path=path, **sizes)
-                assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
-    in_kernel, tk.MAX_SORTED_ROWS = tk.MAX_SORTED_ROWS, 1  # many rows: ordered by torch after the kernel
-    try:
-        for path in tk.PATHS:
-            for pad in ("neg1", "column"):
-                got = tk.topk_indices(logits, k, lengths, None, pad, True, path=path, **sizes)
+            got = tk.topk_indices(logits, k, lengths, None, pad, False, path=path, **sizes)
+            assert_topk_valid(logits, got, k, lengths, None, pad, False)
+            for sort in [sort for sort, paths in tk.SORTS.items() if path in paths]:
+                got = tk.topk_indices(logits, k, lengths, None, pad, True, path=path, sort=sort, **sizes)
                 assert_topk_valid(logits, got, k, lengths, None, pad, True)
-    finally:
-        tk.MAX_SORTED_ROWS = in_kernel
 
 
 @child_only

@@ -7,9 +7,9 @@ The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts
 or above the bound are exactly the ones wanted (a longer row is split: one program per segment selects its top k,
 then one per row among those); it needs the whole row in registers, so few programs fit an SM. The radix pre-filter
 takes a histogram of an 8-bit digit, writes the columns above the boundary bin at once and compacts those in it, and
-searches among those candidates only: in three launches over (row, segment) programs where rows are few (every SM
-busy), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
-per SM). No program waits on another (CUDA-graph safe). Costs on the H200: BENCHMARKS.md, top-k.
+searches among those candidates only: in two launches over (row, segment) programs where rows are few (every SM
+busy; the row's last program to finish its compaction selects), in one launch of one program per row streaming the
+row in chunks where rows are many (small programs, many per SM). No program waits on another (CUDA-graph safe). Costs on the H200: BENCHMARKS.md, top-k.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from .._triton_common import next_power_of_2
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
 MAX_BLOCK = 8192
-# Up to this many rows the sorted order is made by our kernels (`sorts_in_kernel`, `_sort_by_chunks`); more rows, on
-# every path, are ordered by one batched torch sort after them (BENCHMARKS.md, top-k).
+# Up to this many rows the sorted order is made by our kernels (`sort_for`); more rows, on every path, are ordered
+# by one batched torch sort after them (BENCHMARKS.md, top-k).
 MAX_SORTED_ROWS = 256
 
 # How rows are selected (`path_for`): bisection over each row's keys; the radix pre-filter spread over (row, segment)
-# programs in three launches; the radix pre-filter in one program per row.
+# programs in two launches; the radix pre-filter in one program per row.
 PATHS = ("bisect", "radix_split", "radix_row")
 # What a program selects from (`MODE`): a row's columns, one segment of a row (writing candidate columns), or the
 # candidate columns its row's segments wrote.
@@ -46,12 +46,20 @@ RADIX_CAPACITY = 16384
 RADIX_ROW_MIN_ROWS = 256
 RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
-RADIX_SELECT_WARPS = 4  # the final select's (BENCHMARKS.md, top-k: 4 beat 8 and 16)
+RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 8 and 16)
 # The two-launch sort (sorted order up to MAX_SORTED_ROWS rows, of more survivors than one chunk): entries per chunk
 # sorted in registers (512 beat 256 and 1024 at 1-64 rows), and per program that places them (with one program per
 # chunk the merge was a B=1 step's slowest kernel; BENCHMARKS.md, top-k).
 SORT_CHUNK = 512
 MERGE_PART = 64
+# The rank sort (`_rank_sort_kernel`: sorted order of up to RANK_SORT_MAX_ROWS rows on the split radix path, which
+# writes the keys it needs): entries per program, entries compared per step, warps (BENCHMARKS.md, top-k).
+RANK_SORT_MAX_ROWS = 4
+RANK_PART = 16
+RANK_BLOCK = 2048
+RANK_WARPS = 4
+# How the sorted order is made (`sort_for`), and the paths each way serves.
+SORTS = {"in_kernel": ("bisect",), "ranks": ("radix_split",), "chunks": PATHS, "torch": PATHS}
 
 
 @triton.jit
@@ -313,6 +321,31 @@ def _merge_chunks_kernel(sorted_chunks, out, k, n_chunks, CHUNK: tl.constexpr, P
 
 
 @triton.jit
+def _rank_sort_kernel(selected, selected_keys, out, k, PART: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, p): each of part p's PART entries of the row's k in ``selected`` goes to its rank in ``out``,
+    the number of the row's entries with a larger key or an equal key at an earlier slot (a permutation of the
+    slots), counted against all k. Keys as the select wrote them beside the entries (-1 entries: -inf's key or 0,
+    below every value's). One launch of contiguous loads, no merge's dependent searches, but k * k compares per row:
+    for few rows (``RANK_SORT_MAX_ROWS``)."""
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.program_id(1) * PART + tl.arange(0, PART)
+    mine = _rank_keys(selected_keys + row * k, slots, k)
+    rank = tl.zeros((PART,), tl.int32)
+    for start in range(0, k, BLOCK):
+        other = _rank_keys(selected_keys + row * k, start + tl.arange(0, BLOCK), k)
+        rank += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
+    tl.store(out + row * k + rank, tl.load(selected + row * k + slots, mask=slots < k), mask=slots < k)
+
+
+@triton.jit
+def _rank_keys(keys, slots, k):
+    """Distinct int64 sort keys of the entries at ``slots``: (key, earlier slot first) packed; ``EMPTY`` past k."""
+    u = tl.load(keys + slots, mask=slots < k, other=0).to(tl.uint32, bitcast=True)
+    signed = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(slots < k, (signed << 32) | (0x7FFFFFFF - slots).to(tl.int64), EMPTY)
+
+
+@triton.jit
 def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, stride_row, k, n_segments,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
@@ -378,48 +411,59 @@ def _boundary_bin(at_least, take):
 
 
 @triton.jit
-def _compact(src, col, length, b, dst, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols):
+def _compact(src, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
+             WRITE_KEYS: tl.constexpr):
     """Of the row's columns ``col``: those above boundary bin b to ``dst`` after ``above_before`` entries (as column
-    minus ``shift_cols``), those in b to the candidates after ``cand_before`` (columns and keys, up to
-    ``capacity``); returns how many of each there were."""
+    minus ``shift_cols``; with WRITE_KEYS their keys to ``dst_keys``), those in b to the candidates after
+    ``cand_before`` (columns and keys, up to ``capacity``); returns how many of each there were."""
     valid = col < length
     x = tl.load(src + col, mask=valid, other=0.0)
     digit = tl.where(valid, _radix_digit(x), 0)
     is_above = digit > b
     is_cand = digit == b
+    key = _order_key(x).to(tl.int32, bitcast=True)
     ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
-    tl.store(dst + above_before + (ranks & 0xFFFF) - 1, col - shift_cols.to(tl.int32), mask=is_above)
+    above_slot = above_before + (ranks & 0xFFFF) - 1
+    tl.store(dst + above_slot, col - shift_cols.to(tl.int32), mask=is_above)
+    if WRITE_KEYS:
+        tl.store(dst_keys + above_slot, key, mask=is_above)
     cand_slot = cand_before + (ranks >> 16) - 1
     keep = is_cand & (cand_slot < capacity)
     tl.store(cand_cols + cand_slot, col, mask=keep)
-    tl.store(cand_keys + cand_slot, _order_key(x).to(tl.int32, bitcast=True), mask=keep)
+    tl.store(cand_keys + cand_slot, key, mask=keep)
     return tl.sum(is_above.to(tl.int32), axis=0), tl.sum(is_cand.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _radix_histogram_kernel(logits, lengths, hist, n_cols, stride_row, n_segments, HAS_LENGTHS: tl.constexpr,
+def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, HAS_LENGTHS: tl.constexpr,
                             SEGMENT: tl.constexpr):
     """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
-    ``hist[row, s]``."""
+    ``hist[row, s]``; program (row, 0) zeroes the row's arrival count for the compaction launch."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     counts = _digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT), length)
     tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), _at_least(counts))
+    if segment == 0:
+        tl.store(arrivals + row, 0)
 
 
 @triton.jit
-def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_keys, out, n_cols, stride_row, k,
-                          n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                          SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr):
+def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out, out_keys, n_cols,
+                          stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                          PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
+                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from every segment's counts;
     segment s's columns above b go straight to the output (after those of the segments before it), its columns in
-    b are appended to the row's candidates (columns and keys, up to ``capacity``). Program (row, 0) writes
-    ``meta[row]`` = (columns above b, columns in b) for the final select."""
-    row = tl.program_id(0).to(tl.int64)
+    b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last program to arrive
+    (no program waits on another: CUDA-graph safe) selects the rest of the top k among the candidates, then pads.
+    With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
+    row, src, length, take, dst, shift_cols = _row_start(logits, lengths, offset, out, n_cols, stride_row, k,
+                                                         HAS_LENGTHS, HAS_OFFSET)
     segment = tl.program_id(1)
-    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    take = tl.minimum(k, length)
+    row_cols = cand_cols + row * capacity
+    row_keys = cand_keys + row * capacity
+    dst_keys = out_keys + row * k
     bins = tl.arange(0, RADIX_BINS)
     hist_row = hist + row * n_segments * RADIX_BINS
     at_least = tl.zeros((RADIX_BINS,), tl.int32)
@@ -437,31 +481,33 @@ def _radix_compact_kernel(logits, lengths, offset, hist, meta, cand_cols, cand_k
         above_b = tl.load(hist_row + s * RADIX_BINS + b + 1, mask=s < segments_above, other=0)
         above_before += tl.sum(above_b, axis=0)
         in_bin_before += tl.sum(at_b - above_b, axis=0)
-    if segment == 0:
-        tl.store(meta + row * 2, above_total)
-        tl.store(meta + row * 2 + 1, in_bin_total)
     if take > 0:
-        shift_cols = _row_shift(offset, row, HAS_OFFSET)
-        _compact(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, out + row * k,
-                 above_before, cand_cols + row * capacity, cand_keys + row * capacity, in_bin_before, capacity,
-                 shift_cols)
+        _compact(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, dst, dst_keys, above_before, row_cols,
+                 row_keys, in_bin_before, capacity, shift_cols, WRITE_KEYS)
+    # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
+        if take > 0:
+            _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
+                               shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
+        _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
 
 
 @triton.jit
-def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length, shift_cols, capacity,
-                       PAD_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst_keys, length, shift_cols, capacity,
+                       PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, BLOCK: tl.constexpr):
     """The rest of a row's top k after its ``above`` columns above the boundary bin, among the bin's ``n_cand``
     candidates (held in registers up to BLOCK of them, streamed up to ``capacity``; past that, the whole top k from
-    the row itself)."""
+    the row itself); with WRITE_KEYS their keys to ``dst_keys``."""
     if n_cand <= tl.minimum(BLOCK, capacity):
-        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst, 0, shift_cols, True, False, False,
-                not PAD_COLUMNS, BLOCK, True, True)
+        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
+                False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, True, True)
     elif n_cand <= capacity:
-        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst, 0, shift_cols, True, False, False,
-                not PAD_COLUMNS, BLOCK, False, True)
+        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
+                False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, False, True)
     else:  # the candidates overflowed their buffer
-        _select(src, row_keys, row_cols, length, take, dst, dst, 0, shift_cols, False, False, False, not PAD_COLUMNS,
-                BLOCK, False)
+        _select(src, row_keys, row_cols, length, take, dst, dst_keys, 0, shift_cols, False, False, WRITE_KEYS,
+                not PAD_COLUMNS, BLOCK, False)
 
 
 @triton.jit
@@ -472,19 +518,6 @@ def _row_start(logits, lengths, offset, out, n_cols, stride_row, k, HAS_LENGTHS:
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     return (row, logits + row * stride_row, length, tl.minimum(k, length), out + row * k,
             _row_shift(offset, row, HAS_OFFSET))
-
-
-@triton.jit
-def _radix_select_kernel(logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
-                         HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """Program per row: the rest of its top k among the boundary bin's candidates, then the padding."""
-    row, src, length, take, dst, shift_cols = _row_start(logits, lengths, offset, out, n_cols, stride_row, k,
-                                                         HAS_LENGTHS, HAS_OFFSET)
-    if take > 0:
-        _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(meta + row * 2 + 1),
-                           tl.load(meta + row * 2), take, dst, length, shift_cols, capacity, PAD_COLUMNS, BLOCK)
-    _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
 
 
 @triton.jit
@@ -507,13 +540,13 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
         for start in range(0, length, CHUNK):
-            n_above, n_in_bin = _compact(src, start + pos, length, b, dst, above_seen, row_cols, row_keys, cand_seen,
-                                         capacity, shift_cols)
+            n_above, n_in_bin = _compact(src, start + pos, length, b, dst, dst, above_seen, row_cols, row_keys,
+                                         cand_seen, capacity, shift_cols, False)
             above_seen += n_above
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
-        _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, length, shift_cols, capacity,
-                           PAD_COLUMNS, BLOCK)
+        _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst, length, shift_cols, capacity,
+                           PAD_COLUMNS, False, BLOCK)
     _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
 
 
@@ -537,11 +570,18 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
     return 16 if sort_in_kernel else 8
 
 
-def sorts_in_kernel(rows: int, k: int, sorted: bool, sort_chunk: int = SORT_CHUNK) -> bool:
-    """Whether the bisection kernel sorts its survivors itself, in registers: up to one chunk of them. More go
-    through the two-launch chunk sort, which beat the in-register sort of 2048 (key, index) pairs at 64 rows
-    (BENCHMARKS.md, top-k)."""
-    return sorted and k <= sort_chunk and rows <= MAX_SORTED_ROWS
+def sort_for(rows: int, k: int, path: str, sort_chunk: int = SORT_CHUNK) -> str:
+    """How the sorted order is made (``SORTS``; BENCHMARKS.md, top-k): by the bisection kernel in registers up to
+    one chunk of survivors (the chunk sort beat its in-register sort of 2048 pairs at 64 rows); by ranks on the
+    split radix path up to ``RANK_SORT_MAX_ROWS`` rows; by chunks up to ``MAX_SORTED_ROWS``; past that by one
+    batched torch sort."""
+    if rows > MAX_SORTED_ROWS:
+        return "torch"
+    if path == "bisect" and k <= sort_chunk:
+        return "in_kernel"
+    if path == "radix_split" and rows <= RANK_SORT_MAX_ROWS:
+        return "ranks"
+    return "chunks"
 
 
 def path_for(rows: int, n_cols: int, k: int) -> str:
@@ -570,19 +610,26 @@ def radix_capacity(n_cols: int) -> int:
 
 def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
     """(columns per program of the histogram and compaction launches, candidates the final select holds in
-    registers): about 256 programs per launch, and a block for the ~1/32 of a row of similar values that one
-    quarter-octave bin holds (BENCHMARKS.md, top-k)."""
+    registers): about 256 programs per launch, and a block for the ~1/16 of a row of similar values that one
+    quarter-octave bin may hold (random rows: ~1/32; the indexer's own logits at ctx 32768: 1/22; BENCHMARKS.md,
+    top-k)."""
     segment = min(max(1 << max(rows * n_cols // 256, 1).bit_length() - 1, 1024), 4096)
-    return segment, min(max(next_power_of_2(n_cols // 32), 1024), 4096)
+    return segment, min(max(next_power_of_2(n_cols // 16), 1024), 4096)
 
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None,
-                 path=None, segment=None, capacity=None, sort_chunk=None, chunk=None):
+                 path=None, segment=None, capacity=None, sort=None, sort_chunk=None, chunk=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
     the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path,
-    ``segment``, ``capacity`` and ``chunk`` the radix paths' sizes, and ``sort_chunk`` the chunk sort's."""
+    ``segment``, ``capacity`` and ``chunk`` the radix paths' sizes, ``sort`` (one of ``SORTS``, on its paths) how
+    the sorted order is made, ``sort_chunk`` the chunk sort's chunk."""
     rows, n_cols = logits.shape
+    path = path or path_for(rows, n_cols, k)
+    sort_chunk = sort_chunk or SORT_CHUNK
+    sort = (sort or sort_for(rows, k, path, sort_chunk)) if sorted else None
+    if sort is not None and path not in SORTS[sort]:
+        raise ValueError(f"sort={sort!r} is made on the {SORTS[sort]} paths, not {path!r}")
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
     if rows == 0 or k == 0:
@@ -590,24 +637,24 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     lengths_arg = lengths if lengths is not None else logits
     offset_arg = offset if offset is not None else logits
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_OFFSET=offset is not None, PAD_COLUMNS=pad == "column")
-    path = path or path_for(rows, n_cols, k)
     capacity = min(capacity or radix_capacity(n_cols), n_cols)
-    sort_chunk = sort_chunk or SORT_CHUNK
     if path == "bisect":
-        sort_in_kernel = sorts_in_kernel(rows, k, sorted, sort_chunk)
-        _rows_topk(logits, k, lengths_arg, offset_arg, out, dict(flags, K_POW2=next_power_of_2(k)), sort_in_kernel,
-                   block or block_for(n_cols), num_warps)
-        sorted = sorted and not sort_in_kernel
+        _rows_topk(logits, k, lengths_arg, offset_arg, out, dict(flags, K_POW2=next_power_of_2(k)),
+                   sort == "in_kernel", block or block_for(n_cols), num_warps)
     elif path == "radix_split":
         default_segment, default_block = radix_sizes(rows, n_cols)
-        _radix_topk(logits, k, lengths_arg, offset_arg, out, flags, block or default_block, segment or default_segment,
-                    capacity, num_warps)
+        # the rank sort reads the selected entries and their keys from one buffer each, and writes `out`
+        selected, keys = (torch.empty_like(out), torch.empty_like(out)) if sort == "ranks" else (out, None)
+        _radix_topk(logits, k, lengths_arg, offset_arg, selected, keys, flags, block or default_block,
+                    segment or default_segment, capacity, num_warps)
+        if sort == "ranks":
+            _sort_by_ranks(selected, keys, out)
     else:
         _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags, chunk or radix_row_chunk(rows),
                         block or RADIX_ROW_BLOCK, capacity, num_warps)
-    if sorted and rows <= MAX_SORTED_ROWS:
+    if sort == "chunks":
         _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk)
-    elif sorted:
+    elif sort == "torch":
         _sort_after(logits, lengths, offset, pad, out)
     return out
 
@@ -631,24 +678,24 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
                                       ONE_BLOCK=segments * k <= block, **flags)
 
 
-def _radix_topk(logits, k, lengths, offset, out, flags, block, segment, capacity, num_warps):
-    """Three launches: per (row, segment) a histogram of the radix digit; per (row, segment) the columns above the
-    boundary bin to the output and those in it to the candidates; per row the rest among the candidates."""
+def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps):
+    """Two launches over (row, segment): a histogram of the radix digit; the columns above the boundary bin to the
+    output and those in it to the candidates, the row's last program selecting the rest among the candidates. With
+    ``out_keys`` every output entry's key is written there too."""
     rows, n_cols = logits.shape
     segments = -(-n_cols // segment)
     hist = torch.empty(rows, segments, RADIX_BINS.value, dtype=torch.int32, device=logits.device)
-    meta = torch.empty(rows, 2, dtype=torch.int32, device=logits.device)
+    arrivals = torch.empty(rows, dtype=torch.int32, device=logits.device)  # zeroed by the histogram launch
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
-    _radix_histogram_kernel[(rows, segments)](logits, lengths, hist, n_cols, stride, segments,
+    _radix_histogram_kernel[(rows, segments)](logits, lengths, hist, arrivals, n_cols, stride, segments,
                                               HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, num_warps=4)
-    _radix_compact_kernel[(rows, segments)](logits, lengths, offset, hist, meta, cand_cols, cand_keys, out, n_cols,
-                                            stride, k, segments, capacity, HAS_LENGTHS=flags["HAS_LENGTHS"],
-                                            HAS_OFFSET=flags["HAS_OFFSET"], SEGMENT=segment,
-                                            SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), num_warps=4)
-    _radix_select_kernel[(rows,)](logits, lengths, offset, meta, cand_cols, cand_keys, out, n_cols, stride, k,
-                                  capacity, BLOCK=block, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+    _radix_compact_kernel[(rows, segments)](logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
+                                            out if out_keys is None else out_keys, n_cols, stride, k, segments,
+                                            capacity, WRITE_KEYS=out_keys is not None, SEGMENT=segment,
+                                            SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), BLOCK=block,
+                                            num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
 def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
@@ -659,6 +706,15 @@ def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capaci
     _radix_row_kernel[(rows,)](logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
                                capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block,
                                num_warps=num_warps or RADIX_ROW_WARPS, **flags)
+
+
+def _sort_by_ranks(selected, keys, out):
+    """Descending value order of each row's k entries in ``selected`` (their keys in ``keys``), to ``out``: one
+    launch over (row, part of ``RANK_PART`` entries), each entry placed at its rank among all k."""
+    rows, k = out.shape
+    part = min(RANK_PART, next_power_of_2(k))
+    _rank_sort_kernel[(rows, -(-k // part))](selected, keys, out, k, PART=part,
+                                             BLOCK=min(RANK_BLOCK, next_power_of_2(k)), num_warps=RANK_WARPS)
 
 
 def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
