@@ -17,6 +17,7 @@ output reaches no indexer logits (a plain ``nn.Linear`` gate elsewhere in a mode
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -130,35 +131,45 @@ def _rounded_downstream(node: torch.fx.Node) -> str | None:
 _LOGITS_OPS = ("nsa.paged_mqa_logits.default", "nsa.mqa_logits.default")
 
 
-def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> set[torch.fx.Node]:
+class IndexerLogits(NamedTuple):
+    """The nodes holding indexer logits, and why a plain-torch logits idiom was not proven (the first reason; None
+    where every candidate was), for the near miss of a gate that reaches none of them."""
+
+    nodes: set[torch.fx.Node]
+    unproven: str | None
+
+
+def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> IndexerLogits:
     """The nodes holding indexer logits: ``nsa`` logits ops, and the head sums of plain-torch MQA logits that
     :func:`~.mqa.proofs.analyze` proves (on the graph as it is, before the logits passes rewrite them) or that are
     masked with -inf (a head sum of dot products under a ``where(mask, ., -inf)``: the logits idiom, also where the
     proof needs the gate's scale chain folded first, as in a dynamic-shape prefill graph)."""
     found = {n for n in graph.nodes if n.op == "call_function" and str(n.target) in _LOGITS_OPS}
     if ctx is None:
-        return found
+        return IndexerLogits(found, None)
     leaves = cache_values(graph)
     try:
         layout = graph_cache_layout(leaves, ctx.decision)  # the logits passes' layout: the cache's own page size
-    except NearMiss:
-        return found
+    except NearMiss as e:
+        return IndexerLogits(found, str(e))
+    unproven = None
     for sum_node, where in logits_candidates(graph):
         if where is None:
             try:
                 analyze(sum_node, where, layout, leaves)
-            except NearMiss:
+            except NearMiss as e:
+                unproven = unproven or str(e)
                 continue
         found.add(sum_node)
-    return found
+    return IndexerLogits(found, unproven)
 
 
-def _reaches(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
+def _reaches(node: torch.fx.Node, targets: IndexerLogits) -> bool:
     """Whether ``node``'s value flows into one of ``targets`` (breadth first, bounded like the rounding walk)."""
     seen, queue = {node}, collections.deque([node])
     while queue and len(seen) < DOWNSTREAM_LIMIT:
         for user in queue.popleft().users:
-            if user in targets:
+            if user in targets.nodes:
                 return True
             if user not in seen:
                 seen.add(user)
@@ -166,10 +177,11 @@ def _reaches(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
     return False
 
 
-def _check_reaches_logits(out: torch.fx.Node, logits: set[torch.fx.Node]) -> None:
+def _check_reaches_logits(out: torch.fx.Node, logits: IndexerLogits) -> None:
     if not _reaches(out, logits):
+        why = f" (a plain-torch logits idiom was not proven: {logits.unproven})" if logits.unproven else ""
         raise NearMiss(f"the GEMM output {describe(out)} reaches no indexer logits (MQA logits idiom or nsa logits "
-                       "op): a GEMM outside the indexer keeps its exact numerics")
+                       f"op): a GEMM outside the indexer keeps its exact numerics{why}")
 
 
 def transposed_weight(b: torch.fx.Node) -> torch.fx.Node | None:
@@ -284,7 +296,7 @@ class HeadGateGemm(GraphPass):
             self._gemm_then_upcast(graph, node, *parts, static, logits)
 
     def _upcast_gemm(self, graph: torch.fx.Graph, mm: torch.fx.Node, x: torch.fx.Node, views: list, a, b,
-                     static: set[torch.fx.Node] | None, logits: set[torch.fx.Node]) -> None:
+                     static: set[torch.fx.Node] | None, logits: IndexerLogits) -> None:
         """``mm(convert(x_bf16, f32), W32^T)`` (or addmm)."""
         is_addmm = is_op(mm, aten.addmm.default)
         ta, tx = tensor_val(a), tensor_val(x)
@@ -320,7 +332,7 @@ class HeadGateGemm(GraphPass):
         erase_dead(graph, [mm])
 
     def _gemm_then_upcast(self, graph: torch.fx.Graph, cvt: torch.fx.Node, mm: torch.fx.Node, views: list,
-                          w: torch.fx.Node, static: set[torch.fx.Node] | None, logits: set[torch.fx.Node]) -> None:
+                          w: torch.fx.Node, static: set[torch.fx.Node] | None, logits: IndexerLogits) -> None:
         """``convert(mm(x_bf16, W16^T), f32)``, possibly with reshapes between the mm and the convert."""
         a, b = mm.args
         check_parameter_weight(w, torch.bfloat16, static)

@@ -17,7 +17,8 @@ from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.other_indexer import OtherIndexer
-from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs, to_logits
+from helpers.pass_helpers import (compile_with_dumps, count_ops, graph_dirs, near_miss_reasons, pass_entry,
+                                  pass_graphs, to_logits)
 
 CONFIGS = {"deepseek_v32": IndexerConfig.deepseek_v32().small(), "glm5": IndexerConfig.glm5().small()}
 LAYOUT = KCacheLayout(16)
@@ -113,6 +114,24 @@ def test_fires_and_numerics_within_bound(which, config_name, entry, mode):
     if which == "other":
         # its Hadamard rotation is F.linear(x.float(), H) on a buffer, rounded to bf16 afterwards: kept exact
         assert any("rounded to torch.bfloat16 downstream" in m["reason"] for m in report["near_misses"]), report
+
+
+def test_unproven_logits_say_why():
+    """With every size symbolic (``dynamic=True``) the cache's page size is unknown at compile time, so the plain
+    logits idiom (the logits passes off) is not proven and the gate is left alone: the near miss gives that reason,
+    not only "reaches no indexer logits"."""
+    torch._dynamo.reset()
+    model = Indexer(CONFIGS["deepseek_v32"], LAYOUT)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    compiled_fn, dump_dir = compile_with_dumps(model.decode, OTHERS_OFF, dynamic=True)
+    try:
+        with torch.no_grad():
+            compiled_fn(*batch_for(CONFIGS["deepseek_v32"], "decode").args)
+    finally:
+        torch._dynamo.reset()  # no symbolic sizes left behind for the next compile of Indexer.decode in this worker
+    reasons = near_miss_reasons(dump_dir, "head_gate_gemm")
+    assert any("reaches no indexer logits" in r and "page size is not fixed at compile time" in r for r in reasons), \
+        reasons
 
 
 def test_option_turns_the_pass_off():
