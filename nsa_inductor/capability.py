@@ -442,17 +442,15 @@ def select_layout(layout: str | None = None, page_size: int | None = None) -> La
 
 
 def cache_layout(decision: LayoutDecision, cache_shape: tuple) -> KCacheLayout:
-    """The layout of a ``[num_pages, P * 132]`` cache: its own page size ``P`` (its static shape fixes it) with the
-    guard's format decision (row-major or preshuffle). ``ValueError`` with the reason when the row size is dynamic, is
-    not a whole number of tokens, or contradicts the format (preshuffle with ``P % 16``, or a ``P`` aiter's
+    """The layout of a ``[num_pages, P * 132]`` cache: its own page size ``P`` (its shape, fixed at compile time,
+    fixes it) with the guard's format decision (row-major or preshuffle). ``ValueError`` with the reason when the row
+    size is not a whole number of tokens or contradicts the format (preshuffle with ``P % 16``, or a ``P`` aiter's
     preshuffle kernel cannot read where it runs). The decision stays part of the cache key; the shape is in the
     graph, so the resulting layout is too."""
     layout = decision.layout
     if len(cache_shape) != 2:
         return layout
     row = cache_shape[1]
-    if not isinstance(row, int):
-        raise ValueError(f"the cache's rows have a dynamic size ({row}): its page size is not fixed at compile time")
     if row == layout.page_bytes:
         return layout
     if row % TOKEN_BYTES:

@@ -104,6 +104,39 @@ def test_every_batch_size_stores_without_cache_copies(indexer, entry):
         assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
 
 
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_dynamic_true_rewrites_with_the_cache_shape_guarded(entry):
+    """``torch.compile(..., dynamic=True)`` makes even the K cache's sizes symbolic: the passes fix them to the
+    call's shape with a guard, so every pass fires as in a static compile and no cache copy remains; a cache of
+    another page count then recompiles (more graphs) and still equals eager."""
+    torch._dynamo.reset()  # (symbolic sizes of Indexer's shared code objects must not leak into other compiles)
+    try:
+        config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+        model = Indexer(config, layout)
+        model.reset_parameters(torch.Generator().manual_seed(0))
+        dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-dynamic-{entry}-"))
+        fn = getattr(model, entry)
+        compiled_fn = torch.compile(fn, backend="nsa_rocm", dynamic=True, options={
+            "nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)})
+        graph_counts = []
+        for extra_pages in (0, 3):
+            runs = [batches(config, layout, entry)[0]]
+            if entry == "decode":
+                runs.append(size_batches(entry)["B=7 next_n=1"])  # another batch size through the same graph
+            for batch in runs:
+                batch.kv_cache = torch.cat([batch.kv_cache, batch.kv_cache[:extra_pages]])
+                assert_matches_eager(fn, compiled_fn, batch)
+            graph_counts.append(len(reports(dump_dir)))
+    finally:
+        torch._dynamo.reset()
+    assert graph_counts[1] > graph_counts[0], "another cache shape compiles anew"
+    graphs = reports(dump_dir)
+    for report in graphs:
+        matched = {p["name"]: p["matched"] for p in report["passes"]}
+        assert matched == EXPECTED_MATCHES[entry], f"{report['graph']}: {report['passes']}"
+        assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
+
+
 GPU_LAYOUTS = {"flat": KCacheLayout(1), "paged": KCacheLayout(64), "preshuffle": KCacheLayout(64, preshuffle=True)}
 
 

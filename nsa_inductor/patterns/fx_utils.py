@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import get_arg_value
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..quant import AMAX_FLOOR, FP8_DTYPES, fp8_max
@@ -134,7 +134,8 @@ def cone(output: torch.fx.Node, inputs: Iterable[torch.fx.Node]) -> list[torch.f
 
 
 def _bind_sizes(bindings: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
-    """Bind symbolic-size placeholders (dynamic shapes) to the sizes of the probe values given for tensors."""
+    """Bind symbolic-size placeholders (dynamic shapes) to the sizes of the probe values given for tensors, or to
+    the value a guard fixed them to (e.g. the K cache's sizes: :func:`fixed_shape`)."""
     sizes: dict[str, int] = {}
     for node, value in bindings.items():
         fake = val(node)
@@ -142,8 +143,13 @@ def _bind_sizes(bindings: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
             for symbolic, real in zip(fake.shape, value.shape):
                 sizes.setdefault(str(symbolic), int(real))
     graph = next(iter(bindings)).graph
-    return {node: sizes[str(val(node))] for node in graph.find_nodes(op="placeholder")
-            if isinstance(val(node), torch.SymInt) and str(val(node)) in sizes}
+    bound = {}
+    for node in graph.find_nodes(op="placeholder"):
+        if isinstance(val(node), torch.SymInt):
+            size = sizes.get(str(val(node)), as_int(node))
+            if size is not None:
+                bound[node] = size
+    return bound
 
 
 def evaluate(output: torch.fx.Node, bindings: dict[torch.fx.Node, Any]) -> Any:
@@ -210,6 +216,41 @@ def as_int(x: Any) -> int | None:
             return int(x.node.expr) if x.node.expr.is_number else None
         except Exception:  # noqa: BLE001
             return None
+    return None
+
+
+def fixed_shape(node: torch.fx.Node) -> tuple[int, ...]:
+    """The shape of graph input ``node`` (a K cache) as ints: sizes that Dynamo made symbolic (``dynamic=True``
+    makes every size so) are fixed to this compile's example, with a guard, so that another cache shape recompiles
+    instead of running a layout the passes proved for this one. A size the user marked dynamic
+    (``torch._dynamo.mark_dynamic``: fixing it would fail the compile) is a near miss."""
+    shape = val(node).shape
+    marked = _marked_dynamic(shape)
+    if marked is not None:
+        raise NearMiss(f"the cache's size {marked} is marked dynamic (torch._dynamo.mark_dynamic): the passes need "
+                       "the cache's shape fixed at compile time")
+    return tuple(guard_int(size) for size in shape)
+
+
+def _marked_dynamic(sizes: Iterable[Any]) -> str | None:
+    """The first of ``sizes`` that Dynamo was told to keep symbolic (a dimension constraint on the input it comes
+    from that is not only a warning, as automatic-dynamic sizes' are), as ``symbol (source)``; None outside a Dynamo
+    compile."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+    from torch._guards import TracingContext
+
+    tracing = TracingContext.try_get()
+    symbolic = [size for size in sizes if isinstance(size, torch.SymInt) and not size.node.expr.is_number]
+    if tracing is None or not symbolic:
+        return None
+    constrained = {TensorPropertySource(ctx.tensor_source, TensorProperty.SIZE, dim)
+                   for ctx in tracing.tensor_to_context.values() if getattr(ctx, "tensor_source", None) is not None
+                   for dim, constraint in enumerate(getattr(ctx, "constraint_sizes", None) or ())
+                   if constraint is not None and not getattr(constraint, "warn_only", False)}
+    for size in symbolic:
+        for source in size.node.shape_env.var_to_sources.get(size.node.expr, ()):
+            if source in constrained:
+                return f"{size} ({source.name() if callable(source.name) else source.name})"
     return None
 
 

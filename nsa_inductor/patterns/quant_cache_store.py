@@ -37,8 +37,8 @@ from ..capability import LayoutDecision, cache_layout
 from ..layout import KCacheLayout, written_slots
 from ..quant import fp8_max
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import (VALUE_COPIES, VIEW_OPS, ActQuant, aten, arg, evaluate, insert_call, is_op, known_ge,
-                       match_act_quant, norm_dim, prims, same_shape, slice_params, sym_equal, val, walk_back)
+from .fx_utils import (VALUE_COPIES, VIEW_OPS, ActQuant, aten, arg, evaluate, fixed_shape, insert_call, is_op,
+                       known_ge, match_act_quant, norm_dim, prims, same_shape, slice_params, sym_equal, val, walk_back)
 
 # Ops that re-read the same bytes in row-major order: a destination seen through them is still the cache.
 REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
@@ -405,14 +405,12 @@ class QuantCacheStore(GraphPass):
 
     def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, decision: LayoutDecision
                  ) -> torch.fx.Node:
-        cval = val(cache)
-        if not all(isinstance(size, int) for size in cval.shape):
-            raise NearMiss(f"the cache's shape {list(cval.shape)} is dynamic; the store is matched for a fixed cache")
+        shape = fixed_shape(cache)
         try:
-            layout = cache_layout(decision, tuple(cval.shape))
+            layout = cache_layout(decision, shape)
         except ValueError as e:
             raise NearMiss(str(e)) from None
-        num_slots = int(cval.shape[0]) * layout.page_size
+        num_slots = shape[0] * layout.page_size
         writes, slot = _parse_writes(final, cache, layout, num_slots)
         value_write, scale_write = _check_offsets(writes, layout, num_slots)
         quant = _match_cached_act_quant(_strip(value_write.payload))

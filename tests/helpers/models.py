@@ -42,8 +42,8 @@ def compile_indexer(fn, options: dict):
 
     The models share code objects (``Indexer.decode`` for every config and layout, ``OtherIndexer.decode`` for two
     layouts), and Dynamo keeps its automatic-dynamic state per code object: without the mark, the first caller with
-    another cache size would make the cache symbolic for every later compile of every model, and the store pass
-    refuses a symbolic cache. A serving engine's cache has one shape."""
+    another cache size would make the cache symbolic for every later compile of every model, which the passes then
+    fix with a guard, one more graph per cache shape. A serving engine's cache has one shape."""
     compiled_fn = torch.compile(fn, backend="nsa_rocm", options=options)
 
     def call(x, q_lora, positions, slot_mapping, kv_cache, *rest):

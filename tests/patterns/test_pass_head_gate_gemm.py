@@ -117,20 +117,19 @@ def test_fires_and_numerics_within_bound(which, config_name, entry, mode):
 
 
 def test_unproven_logits_say_why():
-    """With every size symbolic (``dynamic=True``) the cache's page size is unknown at compile time, so the plain
-    logits idiom (the logits passes off) is not proven and the gate is left alone: the near miss gives that reason,
-    not only "reaches no indexer logits"."""
+    """Plain-torch logits (the logits passes off) whose proof fails, here on a cache of 8-token pages compiled for a
+    preshuffled layout (which needs multiples of 16): the gate is left alone, and the near miss gives the proof's
+    reason, not only "reaches no indexer logits"."""
     torch._dynamo.reset()
-    model = Indexer(CONFIGS["deepseek_v32"], LAYOUT)
+    layout = KCacheLayout(8)
+    model = Indexer(CONFIGS["deepseek_v32"], layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
-    compiled_fn, dump_dir = compile_with_dumps(model.decode, OTHERS_OFF, dynamic=True)
-    try:
-        with torch.no_grad():
-            compiled_fn(*batch_for(CONFIGS["deepseek_v32"], "decode").args)
-    finally:
-        torch._dynamo.reset()  # no symbolic sizes left behind for the next compile of Indexer.decode in this worker
+    options = {**OTHERS_OFF, "nsa.layout": "preshuffle", "nsa.page_size": 16}
+    compiled_fn, dump_dir = compile_with_dumps(model.decode, options)
+    with torch.no_grad():
+        compiled_fn(*decode_batch(CONFIGS["deepseek_v32"], layout, [5, 33], max_len=64, seed=1).args)
     reasons = near_miss_reasons(dump_dir, "head_gate_gemm")
-    assert any("reaches no indexer logits" in r and "page size is not fixed at compile time" in r for r in reasons), \
+    assert any("reaches no indexer logits" in r and "needs pages of a multiple of 16 tokens" in r for r in reasons), \
         reasons
 
 

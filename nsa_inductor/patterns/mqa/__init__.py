@@ -16,15 +16,16 @@ import torch.fx
 from ...capability import LayoutDecision, cache_layout
 from ...layout import KCacheLayout
 from ..base import GraphPass, NearMiss, PassContext
-from ..fx_utils import insert_call, reshape, tensor_val, val
+from ..fx_utils import fixed_shape, insert_call, reshape, tensor_val, val
 from .proofs import Match, analyze, cache_values, candidates, summed_partials, weight_leaves
 
 
 def graph_cache_layout(leaves: set[torch.fx.Node], decision: LayoutDecision) -> KCacheLayout:
     """The guard's format with the page size of the graph's K cache (its uint8 input, when one row size is shared by
-    all of them); a dynamic or contradicting cache shape is a near miss."""
-    shapes = [tuple(val(n).shape) for n in leaves if n.op == "placeholder"]
-    rows = {str(shape[1]) if len(shape) == 2 else None for shape in shapes}  # (SymInts do not hash)
+    all of them; a symbolic shape is fixed to this compile's, with a guard); a contradicting cache shape is a near
+    miss."""
+    shapes = [fixed_shape(n) for n in leaves if n.op == "placeholder"]
+    rows = {shape[1] if len(shape) == 2 else None for shape in shapes}
     if len(rows) != 1:
         return decision.layout
     try:
