@@ -9,7 +9,8 @@ then one per row among those); it needs the whole row in registers, so few progr
 takes a histogram of an 8-bit digit, writes the columns above the boundary bin at once and compacts those in it, and
 searches among those candidates only: in two launches over (row, segment) programs where rows are few (every SM
 busy; the row's last program to finish its compaction selects), in one launch of one program per row streaming the
-row in chunks where rows are many (small programs, many per SM). No program waits on another (CUDA-graph safe). Costs on the H200: BENCHMARKS.md, top-k.
+row in chunks where rows are many (small programs, many per SM). No program waits on another (CUDA-graph safe).
+Costs on the H200: BENCHMARKS.md, top-k.
 """
 
 from __future__ import annotations
@@ -628,8 +629,9 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
     path = path or path_for(rows, n_cols, k)
     sort_chunk = sort_chunk or SORT_CHUNK
     sort = (sort or sort_for(rows, k, path, sort_chunk)) if sorted else None
-    if sort is not None and path not in SORTS[sort]:
-        raise ValueError(f"sort={sort!r} is made on the {SORTS[sort]} paths, not {path!r}")
+    if sort is not None and path not in SORTS.get(sort, ()):
+        ways = [way for way, paths in SORTS.items() if path in paths]
+        raise ValueError(f"sort={sort!r}: the {path!r} path makes {ways}")
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
     if rows == 0 or k == 0:
