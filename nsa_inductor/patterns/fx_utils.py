@@ -244,7 +244,8 @@ def _marked_dynamic(sizes: Iterable[Any]) -> str | None:
     if tracing is None or not symbolic:
         return None
     constrained = {TensorPropertySource(ctx.tensor_source, TensorProperty.SIZE, dim)
-                   for ctx in tracing.tensor_to_context.values() if getattr(ctx, "tensor_source", None) is not None
+                   for ctx in getattr(tracing, "tensor_to_context", {}).values()
+                   if getattr(ctx, "tensor_source", None) is not None
                    for dim, constraint in enumerate(getattr(ctx, "constraint_sizes", None) or ())
                    if constraint is not None and not getattr(constraint, "warn_only", False)}
     for size in symbolic:
