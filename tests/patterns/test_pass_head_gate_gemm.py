@@ -36,8 +36,7 @@ BOUNDS = {
 @functools.cache
 def compiled(which, config_name, entry, mode):
     # A fresh Dynamo: what another file of this process compiled (Indexer.decode with symbolic sizes, say) would
-    # otherwise be this compile's start, and a dynamic graph near-misses the plain logits idiom (these tests failed
-    # so when such a file ran first on the same worker).
+    # otherwise be this compile's start, so these graphs would depend on which file ran first on the worker.
     torch._dynamo.reset()
     model = Indexer(CONFIGS[config_name], LAYOUT)
     model.reset_parameters(torch.Generator().manual_seed(0))

@@ -257,6 +257,12 @@ def _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS: tl.constexpr,
 
 
 @triton.jit
+def _packed_key(u, low):
+    """int64 ordered by the uint32 key ``u``, then by ``low`` (non-negative, below 2^32), under a signed compare."""
+    return ((u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64) << 32) | low
+
+
+@triton.jit
 def _sort_keys(dst, src, slots, k, length, shift_cols, PAD_COLUMNS: tl.constexpr):
     """The entries at ``slots`` of a row's k as int64 sort keys, (value key, index) packed so that descending order
     is torch's; -1 entries (-inf values, missing columns) and the lanes past k get ``EMPTY``, below every other."""
@@ -266,8 +272,7 @@ def _sort_keys(dst, src, slots, k, length, shift_cols, PAD_COLUMNS: tl.constexpr
         marker |= index == -1
     col = index.to(tl.int64) + shift_cols
     u = tl.maximum(_keys(src, tl.where((col >= 0) & (col < length), col, -1)), KEY_NEG_INF)  # past it: -inf
-    signed = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-    return tl.where(marker, EMPTY, (signed << 32) | (index.to(tl.int64) & 0xFFFFFFFF))
+    return tl.where(marker, EMPTY, _packed_key(u, index.to(tl.int64) & 0xFFFFFFFF))
 
 
 @triton.jit
@@ -342,8 +347,7 @@ def _rank_sort_kernel(selected, selected_keys, out, k, PART: tl.constexpr, BLOCK
 def _rank_keys(keys, slots, k):
     """Distinct int64 sort keys of the entries at ``slots``: (key, earlier slot first) packed; ``EMPTY`` past k."""
     u = tl.load(keys + slots, mask=slots < k, other=0).to(tl.uint32, bitcast=True)
-    signed = (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-    return tl.where(slots < k, (signed << 32) | (0x7FFFFFFF - slots).to(tl.int64), EMPTY)
+    return tl.where(slots < k, _packed_key(u, (0x7FFFFFFF - slots).to(tl.int64)), EMPTY)
 
 
 @triton.jit
