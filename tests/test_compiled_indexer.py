@@ -153,9 +153,9 @@ def compiled_gpu(config_name: str, layout_name: str, entry: str, disabled: tuple
     return config, layout, fn, compile_indexer(fn, options), dump_dir
 
 
-def gpu_cases(config, layout, entry):
+def gpu_cases(config, layout, entry, cache_pages: int | None = None):
     if entry == "decode":
-        pages = 8192 // layout.page_size
+        pages = cache_pages or 8192 // layout.page_size
         return [decode_batch(config, layout, [5, 700, 0, 2049], next_n=1, max_len=2112, seed=1, device="cuda",
                              cache_pages=pages),
                 decode_batch(config, layout, [3, 1000, 64], next_n=2, max_len=2112, seed=2, device="cuda",
@@ -206,3 +206,35 @@ def test_disabling_the_reordering_passes_keeps_eager_bytes_on_gpu(entry):
             assert_logits_close(c_logits, logits)
     for report in reports(dump_dir):
         assert not {"rotate_act_quant", "wk_gate_gemm"} & {p["name"] for p in report["passes"]}
+
+
+@pytest.mark.gpu
+def test_dynamic_true_on_gpu():
+    """``dynamic=True`` with the Triton kernels: every pass fires with the cache shape guarded, another cache shape
+    recompiles, and both equal eager (cache bytes within the reordering passes' bound)."""
+    torch._dynamo.reset()
+    config, layout = IndexerConfig.deepseek_v32(max_model_len=4096), GPU_LAYOUTS["paged"]
+    model = Indexer(config, layout).cuda()
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-gpu-dynamic-"))
+    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=True, options={
+        "nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)})
+    try:
+        with torch.no_grad():
+            for cache_pages in (128, 131):
+                for batch in gpu_cases(config, layout, "decode", cache_pages):
+                    eager, comp = batch.clone(), batch.clone()
+                    logits, topk = model.decode(*eager.args)
+                    c_logits, c_topk = compiled_fn(*comp.args)
+                    assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping, layout)
+                    assert_logits_close(c_logits, logits)
+                    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(topk.cpu(), c_topk.cpu()))
+                    assert same >= 0.99 * topk.shape[0], f"top-k sets differ in {topk.shape[0] - same} rows"
+    finally:
+        torch._dynamo.reset()
+    graphs = reports(dump_dir)
+    assert len(graphs) >= 2, "another cache shape compiles anew"
+    for report in graphs:
+        matched = {p["name"]: p["matched"] for p in report["passes"]}
+        assert matched == EXPECTED_MATCHES["decode"], f"{report['graph']}: {report['passes']}"
+        assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
