@@ -286,7 +286,7 @@ AITER_OPS = ("quant_cache_store", "gather_k", "paged_mqa_logits", "mqa_logits", 
 
 
 def aiter_refusal(cap: Capability, op: str, *, page_size: int = 1, preshuffle: bool = False,
-                  heads: int | None = None, sorted: bool | None = None, rotation: bool = False) -> str | None:
+                  heads: int | None = None, sorted: bool | None = None, prologue: bool = False) -> str | None:
     """Why aiter cannot serve this call of ``op`` on ``cap``'s machine; ``None`` when it can.
 
     Only static facts (shapes, flags, versions): a call the answer does not cover goes to the Triton kernel. A
@@ -300,8 +300,8 @@ def aiter_refusal(cap: Capability, op: str, *, page_size: int = 1, preshuffle: b
             return f"aiter {version} has no indexer_k_quant_and_cache (aiter >= 0.1.7)"
         if preshuffle and not cap.aiter_has("quant_store_preshuffle"):
             return f"aiter {version}'s indexer_k_quant_and_cache has no preshuffle (aiter >= 0.1.13)"
-        if rotation:
-            return "aiter's indexer_k_quant_and_cache has no rotation prologue"
+        if prologue:
+            return "aiter's indexer_k_quant_and_cache has no rotation or RoPE prologue"
         return None
     if op == "gather_k":
         # cp_gather_indexer_k_quant_cache finds each output row's sequence in cu_seq_lens and does not skip rows
@@ -480,7 +480,7 @@ def aiter_routes(cap: Capability, layout: KCacheLayout) -> str:
     for op in AITER_OPS:
         why = aiter_refusal(cap, op, page_size=layout.page_size, preshuffle=layout.preshuffle)
         note = {"paged_mqa_logits": "power-of-two heads >= 16", "mqa_logits": "power-of-two heads",
-                "topk_indices": "sorted=False", "quant_cache_store": "without a rotation prologue"}.get(op)
+                "topk_indices": "sorted=False", "quant_cache_store": "without a rotation or RoPE prologue"}.get(op)
         parts.append(f"{op}=triton [{why}]" if why else f"{op}=aiter" + (f" [{note}]" if note else ""))
     return " ops: " + ", ".join(parts)
 

@@ -20,6 +20,7 @@ import torch
 
 from ..capability import aiter_refusal, capability
 from ..index_contract import python_index
+from ..indexer import apply_rope
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
 
@@ -53,6 +54,25 @@ def check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple[torch.dtype, .
 def check_rotation(rotation: torch.Tensor) -> None:
     """A rotation the kernels multiply rows of 128 by: ``[128, 128]`` fp32 or bf16, any strides."""
     check("rotation", rotation, (HEAD_DIM, HEAD_DIM), (torch.float32, torch.bfloat16), "[128, 128]")
+
+
+def check_rope(x: torch.Tensor, rope_cos, rope_sin, positions) -> None:
+    """A RoPE prologue on the first ``2 * rope_cos.shape[1]`` of each row of 128 of bf16 ``x``, token ``t`` (x's
+    first dim) at ``positions[t]``: all three tensors or none."""
+    given = [t is not None for t in (rope_cos, rope_sin, positions)]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError("rope_cos, rope_sin and positions come together (a RoPE prologue) or not at all")
+    if x.dtype != torch.bfloat16 or x.dim() < 2:
+        raise ValueError(f"a RoPE prologue rotates bf16 rows [T, ..., 128], got {describe(x)}")
+    half = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
+    check("rope_cos", rope_cos, (None, None), (torch.float32,), "[positions, rope_dim // 2]")
+    if not 0 < half <= HEAD_DIM // 2:
+        raise ValueError(f"rope_cos must have 1 to {HEAD_DIM // 2} columns (half the rotated lanes), got "
+                         f"{describe(rope_cos)}")
+    check("rope_sin", rope_sin, tuple(rope_cos.shape), (torch.float32,), f"{list(rope_cos.shape)} (as rope_cos)")
+    check("positions", positions, (x.shape[0],), INT_TYPES, f"[T={x.shape[0]}] (one position per token of x)")
 
 
 def check_layout(cache: torch.Tensor, page_size: int, preshuffle: bool) -> KCacheLayout:
@@ -200,6 +220,23 @@ def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------------------
 # reference helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def roped(x: torch.Tensor, rope_cos, rope_sin, positions, interleaved: bool) -> torch.Tensor:
+    """``x`` with eager's RoPE (``indexer.apply_rope``: fp32 products, bf16 result) on the first ``2 *
+    rope_cos.shape[1]`` of each row, token ``t`` at ``positions[t]`` (wrapped like a Python index; a position
+    outside the tables gives NaN there, where eager's indexing fails); ``x`` itself without tables."""
+    if rope_cos is None:
+        return x
+    rows = rope_cos.shape[0]
+    pos = positions.long()
+    pos = torch.where(pos < 0, pos + rows, pos)
+    ok = ((pos >= 0) & (pos < rows))[:, None]
+    pos = torch.where(ok[:, 0], pos, 0)
+    broadcast = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_cos.shape[1],)
+    cos, sin = (torch.where(ok, table[pos], float("nan")).view(broadcast) for table in (rope_cos, rope_sin))
+    rope_dim = 2 * rope_cos.shape[1]
+    return torch.cat([apply_rope(x[..., :rope_dim], cos, sin, interleaved), x[..., rope_dim:]], dim=-1)
 
 
 def head_weights(weights: torch.Tensor, factor: torch.Tensor | None, scale: float) -> torch.Tensor:

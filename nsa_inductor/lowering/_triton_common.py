@@ -193,6 +193,59 @@ def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
 
 
 @triton.jit
+def mul_rn(a, b, NO_FMA: tl.constexpr):
+    """``a * b`` rounded on its own, as eager's separate multiply kernel: with ``NO_FMA`` (CUDA) PTX's ``mul.rn``,
+    which is never contracted into an FMA with the add after it; else a plain product (interpreter: exact; ROCm:
+    the compiler may contract it, as it may Inductor's own RoPE)."""
+    if NO_FMA:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+def no_fma(kernel) -> bool:
+    """The ``NO_FMA`` argument of :func:`mul_rn` for a launch of ``kernel``."""
+    return not interpreted(kernel) and torch.version.hip is None
+
+
+def rope_arguments(x: torch.Tensor, rows: int, rope_cos, rope_sin, positions) -> tuple:
+    """The runtime arguments of :func:`rope_rows` (after the kernel's own): ``positions``, the table rows, rows of
+    ``x`` per token, the tables and their strides; any pointer and zeros without tables."""
+    if rope_cos is None:
+        return (x, 0, 1, x, x, 0, 0, 0, 0)
+    return (positions, rope_cos.shape[0], max(rows // max(positions.shape[0], 1), 1), rope_cos, rope_sin,
+            *rope_cos.stride(), *rope_sin.stride())
+
+
+@triton.jit
+def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
+              stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, NO_FMA: tl.constexpr):
+    """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]``) with eager's RoPE on their first ``ROPE_DIM``
+    lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when ``INTERLEAVED``, turn
+    by the angle of pair i at ``positions[token]``: ``x*cos - partner*sin`` for a pair's first lane, ``x*cos +
+    partner*sin`` for its second, each product rounded (``mul_rn``). A position outside the tables (after Python
+    wrapping: ``wrapped_index``) is not read and gives NaN."""
+    d = tl.arange(0, 128)
+    half: tl.constexpr = ROPE_DIM // 2
+    lane = d < ROPE_DIM
+    if INTERLEAVED:
+        pair, first, partner = d // 2, d % 2 == 0, d ^ 1
+    else:
+        pair, first = d % half, d < half
+        partner = tl.where(first, d + half, d - half)
+    pos = tl.load(pos_ptr + token, mask=ok, other=0).to(tl.int64)
+    pos, readable = wrapped_index(pos, ok, n_positions)
+    mask = readable[:, None] & lane[None, :]
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cp + pair[None, :] * stride_cj, mask=mask, other=float("nan"))
+    sin = tl.load(sin_ptr + pos[:, None] * stride_sp + pair[None, :] * stride_sj, mask=mask, other=float("nan"))
+    other = tl.load(row_ptr[:, None] + partner[None, :], mask=ok[:, None] & lane[None, :], other=0.0).to(tl.float32)
+    x = x.to(tl.float32)
+    turned = mul_rn(x, cos, NO_FMA)
+    cross = mul_rn(other, sin, NO_FMA)
+    turned = tl.where(first[None, :], turned - cross, turned + cross)
+    return tl.where(lane[None, :], round_to_bf16(turned), x)
+
+
+@triton.jit
 def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
     """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. ``R`` is read through its strides: a
     transposed view (``F.linear``'s weight) is not copied.

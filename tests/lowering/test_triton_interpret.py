@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nsa_inductor.indexer import hadamard_matrix
+from nsa_inductor.layout import KCacheLayout
 from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
     assert_fp8_close, assert_rows_close, assert_topk_valid, eager_topk_rows, head_gate_weight64, integer_rows, \
     paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, tie_weights, topk_case
@@ -437,6 +438,73 @@ def test_topk_indices_kernel_at_length_edges(k):
             for sort in [sort for sort, paths in tk.SORTS.items() if path in paths]:
                 got = tk.topk_indices(logits, k, lengths, None, pad, True, path=path, sort=sort, **sizes)
                 assert_topk_valid(logits, got, k, lengths, None, pad, True)
+
+
+def _rope_case(tokens: int, rope_dim: int, gen) -> tuple:
+    """RoPE tables as strided views of one ``[P, 2, rope_dim/2]`` buffer (``rope_cos_sin``), and positions that
+    wrap (-1), fall outside the tables (P, -P-1: NaN rows) or repeat."""
+    from nsa_inductor.indexer import rope_cos_sin
+
+    table = rope_cos_sin(rope_dim, 50, 10000.0)
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    positions[: min(tokens, 3)] = torch.tensor([-1, 50, -51])[: min(tokens, 3)]
+    return table[:, 0], table[:, 1], positions
+
+
+@child_only
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rope_dim", [64, 128, 2])
+@pytest.mark.parametrize("tokens, heads, block_m", [(5, 3, None), (1, 1, None), (6, 4, 16), (0, 2, None)])
+def test_rotate_act_quant_rope_prologue_matches_reference(interleaved, rope_dim, tokens, heads, block_m):
+    """The RoPE prologue's bf16 rows are the reference's (``apply_rope``) bit for bit: with the identity as rotation
+    every output is one product, so the bytes match exactly; positions wrap or give NaN rows as the reference."""
+    from nsa_inductor.lowering.rotate_act_quant import reference
+
+    gen = torch.Generator().manual_seed(tokens * 7 + rope_dim)
+    x = torch.randn(tokens, heads, 128, generator=gen).bfloat16()
+    args = (torch.eye(128), 1.0, False, 128, "fp32", FN, 448.0, *_rope_case(tokens, rope_dim, gen), interleaved)
+    got = _kernels("rotate_act_quant").rotate_act_quant(x, *args, block_m=block_m)
+    want = reference.rotate_act_quant(x, *args)
+    nan = want[0].float().isnan()  # (the reference's fp8 NaN is 0xFF, the kernel's 0x7F)
+    assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(got[1].nan_to_num(), want[1].nan_to_num())
+    assert torch.equal(got[0].float().isnan(), nan)
+    assert torch.equal(got[0].view(torch.uint8)[~nan], want[0].view(torch.uint8)[~nan])
+    if tokens > 1:
+        assert want[1][1].isnan().all() and not want[1][3:].isnan().any()
+
+
+@child_only
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotation, block_t", [(None, None), ("identity", None), ("identity", 16),
+                                               ("hadamard32", None)])
+def test_quant_cache_store_rope_prologue_matches_reference(interleaved, rotation, block_t):
+    """The store's RoPE prologue, alone or before a rotation: bytes equal to the reference's where every sum is
+    exact (no rotation, the identity); within the rotation's contract with a Hadamard."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(13)
+    k = torch.randn(19, 128, generator=gen).bfloat16()
+    slots = torch.randperm(64, generator=gen)[:19]
+    cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    matrix = {None: None, "identity": torch.eye(128), "hadamard32": hadamard_matrix(128)}[rotation]
+    args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
+            *_rope_case(19, 64, gen), interleaved)
+    reference.quant_cache_store(k, want, slots, 16, False, *args)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
+    layout = KCacheLayout(16)
+    untouched = torch.ones(cache.numel(), dtype=torch.bool)
+    untouched[layout.value_offsets(slots).flatten()] = False
+    untouched[layout.scale_offsets(slots).flatten()] = False
+    assert torch.equal(cache.view(-1)[untouched], want.view(-1)[untouched])
+    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
+    nan = want_s.isnan()  # the rows of positions outside the tables
+    assert torch.equal(got_s.isnan(), nan) and nan.sum() == 2 and got_v[nan].float().isnan().all()
+    if rotation == "hadamard32":
+        assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-2, scales_frac=2e-2)
+    else:
+        assert torch.equal(got_v[~nan].view(torch.uint8), want_v[~nan].view(torch.uint8))
+        assert torch.equal(got_s[~nan], want_s[~nan])
 
 
 @child_only

@@ -13,15 +13,16 @@ from ...capability import capability
 from ...index_contract import check_slots, eager_call
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
-from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rotation, contiguous,
-                      implementation, once_per_signature, register_version_bump)
+from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rope, check_rotation,
+                      contiguous, implementation, once_per_signature, register_version_bump)
 
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @once_per_signature
-def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation) -> None:
+def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
+              rope_sin, positions) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
     if rotation is None:
@@ -33,8 +34,10 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
         raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
     check("slot_mapping", slot_mapping, (k.shape[0],), INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
     check_layout(cache, page_size, preshuffle)
+    check_rope(k, rope_cos, rope_sin, positions)
+    optional = {"rotation": rotation, "rope_cos": rope_cos, "rope_sin": rope_sin, "positions": positions}
     check_devices(k=k, cache=cache, slot_mapping=slot_mapping,
-                  **({} if rotation is None else {"rotation": rotation}))
+                  **{name: t for name, t in optional.items() if t is not None})
 
 
 @torch.library.custom_op("nsa::quant_cache_store", mutates_args=("cache",))
@@ -50,27 +53,36 @@ def quant_cache_store(
     input_dtype: torch.dtype | None = None,
     input_divide: bool = False,
     rotation: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
     ``k' = (k @ rotation) * input_scale`` in fp32 (``/ input_scale`` with ``input_divide``; ``k`` itself without a
     rotation), rounded to ``input_dtype`` when given: the Hadamard rotation ``(k.float() @ H * 128**-0.5).to(bf16)``,
     which then needs no kernel of its own. The rotation ([128, 128] fp32 or bf16, any strides) is summed in another
-    order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ."""
-    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
+    order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ. Before it all, the RoPE prologue
+    (``rope_cos``, ``rope_sin``, ``positions``, ``rope_interleaved``: as ``nsa.rotate_act_quant``'s) may turn the
+    first lanes of each bf16 row of ``k``."""
+    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
+              rope_sin, positions)
     if capability().index_checks:
         check_slots(eager_call, slot_mapping, cache.shape[0], page_size)
-    k, slot_mapping = contiguous(k, slot_mapping)
+    k, slot_mapping, positions = contiguous(k, slot_mapping, positions)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
-                         rotation=rotation is not None)
+                         prologue=rotation is not None or rope_cos is not None)
     run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
-        rotation)
+        rotation, rope_cos, rope_sin, positions, rope_interleaved)
 
 
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
-      input_dtype=None, input_divide=False, rotation=None):
-    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation)
+      input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
+      rope_interleaved=False):
+    _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
+              rope_sin, positions)
 
 
 register_version_bump(quant_cache_store, mutated=1)  # the cache

@@ -11,8 +11,9 @@ import triton
 import triton.language as tl
 
 from ...quant import fp8_max
-from .._triton_common import (cdiv, fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows,
-                              round_to_bf16, scale_constants, scale_offsets, scale_rows, value_offsets)
+from .._triton_common import (cdiv, fp8_values, interpreted, no_fma, quantize_constants, quantize_rows, rope_arguments,
+                              rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_offsets, scale_rows,
+                              value_offsets)
 
 
 @triton.jit
@@ -27,6 +28,18 @@ def _quant_store_kernel(
     rot_ptr,
     stride_rk,
     stride_rn,
+    pos_ptr,
+    n_positions,
+    rows_per_token,
+    cos_ptr,
+    sin_ptr,
+    stride_cp,
+    stride_cj,
+    stride_sp,
+    stride_sj,
+    ROPE_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    NO_FMA: tl.constexpr,
     ROTATE: tl.constexpr,
     SPLIT_ROTATION: tl.constexpr,
     SCALE: tl.constexpr,
@@ -46,7 +59,7 @@ def _quant_store_kernel(
     SCAN_BLOCK: tl.constexpr,
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
-    ``ROTATE``: ``rotate_rows``) rounded to ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale
+    ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale
     of each row go to its slot (bit-identical to the torch reference without a rotation: ``quantize_rows``), unless
     the slot is outside ``[0, num_slots)`` or a later token of the store has the same slot (docs/indices.md: the last
     token writes a shared slot). Each program finds the later tokens by scanning the slot mapping past its first row,
@@ -57,6 +70,9 @@ def _quant_store_kernel(
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
     # rows past the last token load 1.0, not 0: tiles with rows of zeros were slower to quantize (BENCHMARKS.md)
     x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=1.0)
+    if ROPE_DIM:
+        x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, t // rows_per_token, in_range, pos_ptr, n_positions,
+                      cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ROPE_DIM, INTERLEAVED, NO_FMA)
     if ROTATE:
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
     else:
@@ -92,8 +108,9 @@ def block_tokens(num_tokens: int, rotate: bool) -> int:
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
-                      input_dtype=None, input_divide=False, rotation=None, block_t: int | None = None):
-    """One launch: quantize ``k [T,128]`` (after the rotation prologue and the input epilogue) and store it into
+                      input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
+                      rope_interleaved=False, block_t: int | None = None):
+    """One launch: quantize ``k [T,128]`` (after the RoPE and rotation prologues and the input epilogue) and store it into
     ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
     tokens sharing a slot only the last writes it (both decided inside the kernel)."""
     num_tokens = k.shape[0]
@@ -112,6 +129,10 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         cache.shape[0] * page_size,
         rot,
         *(rot.stride() if rotation is not None else (0, 0)),
+        *rope_arguments(k, num_tokens, rope_cos, rope_sin, positions),
+        ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1],
+        INTERLEAVED=rope_interleaved,
+        NO_FMA=no_fma(kernel),
         ROTATE=rotation is not None,
         SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
         **scale_constants(input_scale, input_divide),

@@ -6,18 +6,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (fp8_values, interpreted, quantize_constants, quantize_rows, rotate_rows, round_to_bf16,
-                              scale_constants, scale_rows)
+from .._triton_common import (fp8_values, interpreted, no_fma, quantize_constants, quantize_rows, rope_arguments,
+                              rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_rows)
 
 
 @triton.jit
 def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, stride_rk, stride_rn,
+                             pos_ptr, n_positions, rows_per_token, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
+                             stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, NO_FMA: tl.constexpr,
                              SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr,
                              SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
                              FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
                              SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, ON_GPU: tl.constexpr,
                              BLOCK_M: tl.constexpr):
-    """``y = bf16((x @ R) * SCALE)`` for BLOCK_M rows (``rotate_rows``: fp32 accumulation, then the scale in fp32
+    """``y = bf16((x' @ R) * SCALE)`` for BLOCK_M rows (``x'``: x with the RoPE of its token on its first
+    ``ROPE_DIM`` lanes, ``rope_rows``; x itself without) (``rotate_rows``: fp32 accumulation, then the scale in fp32
     as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
     group of ``y`` (``quantize_rows``)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -25,6 +28,9 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
     in_range = r < rows
     offsets = r[:, None].to(tl.int64) * 128 + d[None, :]
     x = tl.load(x_ptr + offsets, mask=in_range[:, None], other=1.0)  # not 0: `_quant_store_kernel`'s note
+    if ROPE_DIM:
+        x = rope_rows(x, x_ptr + r.to(tl.int64) * 128, r // rows_per_token, in_range, pos_ptr, n_positions, cos_ptr,
+                      sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ROPE_DIM, INTERLEAVED, NO_FMA)
     y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
     y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
     groups: tl.constexpr = 128 // QUANT_BLOCK
@@ -46,9 +52,10 @@ def block_rows(rows: int) -> int:
     return 1 if rows <= 128 else 2 if rows <= 1024 else 16 if rows <= 4096 else 32
 
 
-def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max,
-                     block_m: int | None = None):
-    """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x``: one launch."""
+def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None,
+                     rope_sin=None, positions=None, rope_interleaved=False, block_m: int | None = None):
+    """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x`` (after the RoPE
+    prologue when tables are given): one launch."""
     values = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(*x.shape[:-1], 128 // quant_block, dtype=torch.float32, device=x.device)
     rows = x.numel() // 128
@@ -57,7 +64,9 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
     block_m = block_m or block_rows(rows)
     kernel = _rotate_act_quant_kernel
     kernel[(triton.cdiv(rows, block_m),)](
-        x, rotation, values, scales, rows, *rotation.stride(), **scale_constants(scale, divide),
+        x, rotation, values, scales, rows, *rotation.stride(), *rope_arguments(x, rows, rope_cos, rope_sin, positions),
+        ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved, NO_FMA=no_fma(kernel),
+        **scale_constants(scale, divide),
         SPLIT_ROTATION=rotation.dtype == torch.float32, QUANT_BLOCK=quant_block,
         **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt), ON_GPU=not interpreted(kernel), BLOCK_M=block_m,
         num_warps=4,
