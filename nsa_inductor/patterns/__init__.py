@@ -16,8 +16,8 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     """Fresh pass objects for one compile, configured by ``options``, in the order they must run.
 
     RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
-    ``rotate_act_quant`` runs after ``quant_cache_store`` (it gives the store its rotation, and fuses the q side's)
-    and before ``head_gate_gemm``, whose gate chain then reads the fused op's scale;
+    ``rotate_act_quant`` runs after ``quant_cache_store`` (it gives the store its rotation, and fuses the q side's),
+    ``rope_prologue`` after both (it moves the RoPE into the ops they made), and before ``head_gate_gemm``, whose gate chain then reads the fused op's scale;
     the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
     before ``topk_indices``, which reads their masks to bound its scan; ``gather_k_slots`` reads K operands of the
     ``nsa.mqa_logits`` the ragged pass inserts; ``wk_gate_gemm`` anchors on the op
@@ -32,6 +32,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .mqa.slot_gather import GatherKSlots
     from .quant_cache_store import QuantCacheStore
     from .rope_copy_elision import RopeCopyElision
+    from .rope_prologue import RopePrologue
     from .rotate_act_quant import RotateActQuant
     from .searchsorted_offset import SearchsortedOffset
     from .topk_indices import TopkIndices
@@ -39,7 +40,8 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
 
     head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
     wk_gate = WkGateGemm()
-    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), head_gate, wk_gate,
+    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
+                               wk_gate,
                                PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
                                TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks()]
     names = [p.name for p in passes]
