@@ -96,17 +96,18 @@ def _base(written: torch.fx.Node) -> torch.fx.Node:
 
 
 def _row_tables(gathers: list[torch.fx.Node], nodes: set[torch.fx.Node], tokens) -> list[torch.fx.Node]:
-    """The 2-D ``[T, w]`` views of gathered rows the computation reads (candidates for cos and sin)."""
+    """The 2-D ``[T, w]`` views of gathered rows that the computation reads other than through more such views
+    (candidates for cos and sin)."""
+    splits = (*_ROW_VIEWS, aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default)
     found, stack = [], list(gathers)
     while stack:
         node = stack.pop()
+        users = [u for u in node.users if u in nodes]
         shape = val(node).shape if isinstance(val(node), torch.Tensor) else None
-        if shape is not None and len(shape) == 2 and sym_equal(shape[0], tokens):
+        if shape is not None and len(shape) == 2 and sym_equal(shape[0], tokens) and any(
+                not is_op(u, *splits) for u in users):
             found.append(node)
-        for user in node.users:
-            if user in nodes and (is_op(user, *_ROW_VIEWS) or is_op(user, aten.unbind.int, aten.split.Tensor,
-                                                                     aten.split_with_sizes.default)):
-                stack.append(user)
+        stack.extend(u for u in users if is_op(u, *splits))
     return found
 
 

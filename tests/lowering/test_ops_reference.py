@@ -503,6 +503,33 @@ def test_validation_errors_name_the_tensor(name, index, value, message):
         getattr(torch.ops.nsa, name)(*args)
 
 
+_TABLE = torch.zeros(40, 32)
+
+
+@pytest.mark.parametrize("name", ["rotate_act_quant", "quant_cache_store"])
+@pytest.mark.parametrize("rope, message", [
+    ((_TABLE, _TABLE, None), r"rope_cos, rope_sin and positions come together"),
+    ((_TABLE.double(), _TABLE, "positions"), r"rope_cos must be float32 \[positions, rope_dim // 2\], got float64"),
+    ((torch.zeros(40, 65), torch.zeros(40, 65), "positions"), r"rope_cos must have 1 to 64 columns"),
+    ((_TABLE, torch.zeros(40, 31), "positions"), r"rope_sin must be float32 \[40, 32\] \(as rope_cos\)"),
+    ((_TABLE, _TABLE, torch.zeros(7, dtype=torch.int64)), r"positions must be int32 or int64 \[T=\d\] \(one position "
+                                                           r"per token of x\), got int64 \[7\]"),
+    ((_TABLE, _TABLE, torch.zeros(1)), r"positions must be int32 or int64"),
+])
+def test_rope_prologue_arguments_are_checked(name, rope, message):
+    args = small_inputs()[name]
+    positions = rope[2] if rope[2] != "positions" else torch.zeros(args[0].shape[0], dtype=torch.int32)
+    kwargs = dict(zip(("rope_cos", "rope_sin", "positions"), (*rope[:2], positions)))
+    with pytest.raises(ValueError, match=message):
+        getattr(torch.ops.nsa, name)(*args, **kwargs)
+
+
+def test_rope_prologue_needs_bf16_rows():
+    args = _replace(small_inputs()["quant_cache_store"], 0, torch.randn(6, 128))
+    with pytest.raises(ValueError, match=r"a RoPE prologue rotates bf16 rows \[T, \.\.\., 128\], got float32"):
+        torch.ops.nsa.quant_cache_store(*args, rope_cos=_TABLE, rope_sin=_TABLE, positions=torch.zeros(6).long())
+
+
 def test_preshuffle_needs_page_multiple_of_16():
     args = _replace(small_inputs()["quant_cache_store"], 3, 8)
     args = _replace(args, 1, torch.zeros(8, 8 * 132, dtype=torch.uint8))
