@@ -17,12 +17,12 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
 
     RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
     ``rotate_act_quant`` runs after ``quant_cache_store`` (it gives the store its rotation, and fuses the q side's),
-    ``rope_prologue`` after both (it moves the RoPE into the ops they made), and before ``head_gate_gemm``, whose gate chain then reads the fused op's scale;
-    the logits passes run before the buffer pass, which needs to see the ``nsa`` logits ops writing the buffer, and
-    before ``topk_indices``, which reads their masks to bound its scan; ``gather_k_slots`` reads K operands of the
-    ``nsa.mqa_logits`` the ragged pass inserts; ``wk_gate_gemm`` anchors on the op
-    ``head_gate_gemm`` inserts; ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers
-    see the graph as the user wrote it; ``index_checks`` (``nsa.checks`` only) last, to see every ``nsa`` op.
+    ``rope_prologue`` after both (it moves the RoPE into the ops they made), both before ``head_gate_gemm``, whose gate
+    chain then reads the fused op's scale; the logits passes run before the buffer pass, which needs to see the ``nsa``
+    logits ops writing the buffer, and before ``topk_indices``, which reads their masks to bound its scan;
+    ``gather_k_slots`` reads K operands of the ``nsa.mqa_logits`` the ragged pass inserts; ``wk_gate_gemm`` anchors on
+    the op ``head_gate_gemm`` inserts; ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the
+    matchers see the graph as the user wrote it; ``index_checks`` (``nsa.checks`` only) last, to see every ``nsa`` op.
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm
@@ -41,8 +41,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
     wk_gate = WkGateGemm()
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
-                               wk_gate,
-                               PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
+                               wk_gate, PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
                                TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]

@@ -379,7 +379,8 @@ def test_a_store_with_a_rotation_prologue_runs_triton_not_aiter(monkeypatch):
     calls, routes = _simulate(monkeypatch, FAMILIES["0.1.20"])
     cap = _common.capability()
     assert cap_mod.aiter_refusal(cap, "quant_cache_store", page_size=64, preshuffle=True, prologue=True)
-    assert "quant_cache_store=aiter [without a rotation or RoPE prologue]" in cap_mod.aiter_routes(cap, KCacheLayout(64, True))
+    routes_text = cap_mod.aiter_routes(cap, KCacheLayout(64, True))
+    assert "quant_cache_store=aiter [without a rotation or RoPE prologue]" in routes_text
     cache = torch.zeros(3, 64 * 132, dtype=torch.uint8)
     want = cache.clone()
     k = torch.randn(5, 128).bfloat16()

@@ -429,6 +429,64 @@ def test_quant_cache_store_rotation_prologue_against_reference(block_t):
     assert torch.equal(cache.view(-1)[~written], want.view(-1)[~written])
 
 
+def _rope_tables(tokens: int, rope_dim: int, gen):
+    """Tables as strided views of one ``[P, 2, rope_dim/2]`` buffer, positions with a wrapped one (-1) and two
+    outside the tables (NaN rows)."""
+    from nsa_inductor.indexer import rope_cos_sin
+
+    table = rope_cos_sin(rope_dim, 4096, 10000.0).to(DEV)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    positions[:3] = torch.tensor([-1, 4096, -4097])
+    return table[:, 0], table[:, 1], positions.to(DEV)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tokens, heads, block_m", [(1, 64, None), (64, 64, None), (300, 64, None), (7, 3, 2)])
+def test_rotate_act_quant_rope_prologue_bit_exact(interleaved, tokens, heads, block_m):
+    """The RoPE prologue computes eager's bf16 rows bit for bit on the GPU (products rounded alone: ``mul.rn``):
+    with the identity as rotation every output is one product, so the fp8 bytes and scales equal the reference's
+    (torch's RoPE kernels on the same GPU); the row path and the dot tiles."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = (torch.randn(tokens, heads, 128, generator=gen) * 4).bfloat16().to(DEV)
+    args = (torch.eye(128, device=DEV), 1.0, False, 128, "fp32", FN, 448.0, *_rope_tables(tokens, 64, gen), interleaved)
+    got = _tk("rotate_act_quant").rotate_act_quant(x, *args, block_m=block_m)
+    want = _op_ref("rotate_act_quant").rotate_act_quant(x, *args)
+    nan = want[0].float().isnan()
+    assert torch.equal(got[0].float().isnan(), nan) and torch.equal(got[1].isnan(), want[1].isnan())
+    assert torch.equal(got[0].view(torch.uint8)[~nan], want[0].view(torch.uint8)[~nan])
+    assert torch.equal(got[1].nan_to_num(), want[1].nan_to_num())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+def test_quant_cache_store_rope_prologue_against_reference(interleaved, rotation):
+    """The store's RoPE prologue: bit-exact alone (no rotation), within the rotation's contract before a Hadamard;
+    untouched bytes kept."""
+    gen = torch.Generator().manual_seed(8)
+    k = (torch.randn(500, 128, generator=gen) * 4).bfloat16().to(DEV)
+    layout = KCacheLayout(64)
+    slots = torch.randperm(64 * 10, generator=gen)[:500].to(DEV)
+    cache = torch.randint(0, 256, (10, layout.page_bytes), dtype=torch.uint8, generator=gen).to(DEV)
+    want = cache.clone()
+    matrix = None if rotation is None else hadamard_matrix(128).to(DEV)
+    args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
+            *_rope_tables(500, 64, gen), interleaved)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, *args)
+    _op_ref("quant_cache_store").quant_cache_store(k, want, slots, 64, False, *args)
+    written = torch.zeros(cache.numel(), dtype=torch.bool, device=DEV)
+    written[layout.value_offsets(slots).flatten()] = True
+    written[layout.scale_offsets(slots).flatten()] = True
+    assert torch.equal(cache.view(-1)[~written], want.view(-1)[~written])
+    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
+    nan = want_s.isnan()
+    assert torch.equal(got_s.isnan(), nan) and int(nan.sum()) == 2
+    if matrix is None:
+        assert torch.equal(got_v[~nan].view(torch.uint8), want_v[~nan].view(torch.uint8))
+        assert torch.equal(got_s[~nan], want_s[~nan])
+    else:
+        assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-3, scales_frac=1e-2)
+
+
 def test_rotation_ops_capture_in_cuda_graph():
     """Both rotation paths replay in a CUDA graph with new inputs (no host sync, no data-dependent allocation)."""
     gen = torch.Generator().manual_seed(6)

@@ -20,8 +20,8 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
                       rope_interleaved=False) -> None:
     """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a rotation or
-    RoPE prologue goes to the Triton kernel (``capability.aiter_refusal``); here both would run in torch too. Slots it must not write
-    (out of range, earlier duplicates: docs/indices.md) are given as -1, which it skips."""
+    RoPE prologue goes to the Triton kernel (``capability.aiter_refusal``); here both would run in torch too. Slots
+    it must not write (out of range, earlier duplicates: docs/indices.md) are given as -1, which it skips."""
     slots = slot_mapping.long()
     slots = torch.where(written_slots(slots, cache.shape[0] * page_size), slots, -1)
     cache_ops().indexer_k_quant_and_cache(

@@ -59,11 +59,12 @@ def _quant_store_kernel(
     SCAN_BLOCK: tl.constexpr,
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
-    ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale
-    of each row go to its slot (bit-identical to the torch reference without a rotation: ``quantize_rows``), unless
-    the slot is outside ``[0, num_slots)`` or a later token of the store has the same slot (docs/indices.md: the last
-    token writes a shared slot). Each program finds the later tokens by scanning the slot mapping past its first row,
-    SCAN_BLOCK slots at a time (8 bytes a token: a few KB in decode, read from L2 by every program)."""
+    ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to
+    ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale of each row go to its slot
+    (bit-identical to the torch reference without a rotation: ``quantize_rows``), unless the slot is outside ``[0,
+    num_slots)`` or a later token of the store has the same slot (docs/indices.md: the last token writes a shared
+    slot). Each program finds the later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at
+    a time (8 bytes a token: a few KB in decode, read from L2 by every program)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens
@@ -110,8 +111,8 @@ def block_tokens(num_tokens: int, rotate: bool) -> int:
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
                       rope_interleaved=False, block_t: int | None = None):
-    """One launch: quantize ``k [T,128]`` (after the RoPE and rotation prologues and the input epilogue) and store it into
-    ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
+    """One launch: quantize ``k [T,128]`` (after the RoPE and rotation prologues and the input epilogue) and store
+    it into ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
     tokens sharing a slot only the last writes it (both decided inside the kernel)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
