@@ -436,7 +436,7 @@ def _rope_tables(tokens: int, rope_dim: int, gen):
 
     table = rope_cos_sin(rope_dim, 4096, 10000.0).to(DEV)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
-    positions[:3] = torch.tensor([-1, 4096, -4097])
+    positions[:3] = torch.tensor([-1, 4096, -4097])[:tokens]
     return table[:, 0], table[:, 1], positions.to(DEV)
 
 
