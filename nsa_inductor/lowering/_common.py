@@ -56,15 +56,16 @@ def check_rotation(rotation: torch.Tensor) -> None:
     check("rotation", rotation, (HEAD_DIM, HEAD_DIM), (torch.float32, torch.bfloat16), "[128, 128]")
 
 
-def check_rope(x: torch.Tensor, rope_cos, rope_sin, positions) -> None:
-    """A RoPE prologue on the first ``2 * rope_cos.shape[1]`` of each row of 128 of bf16 ``x``, token ``t`` (x's
-    first dim) at ``positions[t]``: all three tensors or none."""
+def check_rope(x: torch.Tensor, rope_cos, rope_sin, positions, rows_dtype: torch.dtype | None = None) -> None:
+    """A RoPE prologue on the first ``2 * rope_cos.shape[1]`` of each row of 128 of bf16 ``x`` (``rows_dtype``: the
+    rows' dtype as the prologue sees them, when the op rounds ``x`` first), token ``t`` (x's first dim) at
+    ``positions[t]``: all three tensors or none."""
     given = [t is not None for t in (rope_cos, rope_sin, positions)]
     if not any(given):
         return
     if not all(given):
         raise ValueError("rope_cos, rope_sin and positions come together (a RoPE prologue) or not at all")
-    if x.dtype != torch.bfloat16 or x.dim() < 2:
+    if (rows_dtype or x.dtype) != torch.bfloat16 or x.dim() < 2:
         raise ValueError(f"a RoPE prologue rotates bf16 rows [T, ..., 128], got {describe(x)}")
     half = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
     check("rope_cos", rope_cos, (None, None), (torch.float32,), "[positions, rope_dim // 2]")

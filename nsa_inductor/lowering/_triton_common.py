@@ -218,12 +218,14 @@ def rope_arguments(x: torch.Tensor, rows: int, rope_cos, rope_sin, positions) ->
 
 @triton.jit
 def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
-              stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, NO_FMA: tl.constexpr):
+              stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_PARTNER: tl.constexpr,
+              NO_FMA: tl.constexpr):
     """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]``) with eager's RoPE on their first ``ROPE_DIM``
     lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when ``INTERLEAVED``, turn
     by the angle of pair i at ``positions[token]``: ``x*cos - partner*sin`` for a pair's first lane, ``x*cos +
     partner*sin`` for its second, each product rounded (``mul_rn``). A position outside the tables (after Python
-    wrapping: ``wrapped_index``) is not read and gives NaN."""
+    wrapping: ``wrapped_index``) is not read and gives NaN. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to
+    bf16 as loaded (``x`` already is)."""
     d = tl.arange(0, 128)
     half: tl.constexpr = ROPE_DIM // 2
     lane = d < ROPE_DIM
@@ -238,6 +240,8 @@ def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, str
     cos = tl.load(cos_ptr + pos[:, None] * stride_cp + pair[None, :] * stride_cj, mask=mask, other=float("nan"))
     sin = tl.load(sin_ptr + pos[:, None] * stride_sp + pair[None, :] * stride_sj, mask=mask, other=float("nan"))
     other = tl.load(row_ptr[:, None] + partner[None, :], mask=ok[:, None] & lane[None, :], other=0.0).to(tl.float32)
+    if ROUND_PARTNER:
+        other = round_to_bf16(other)
     x = x.to(tl.float32)
     turned = mul_rn(x, cos, NO_FMA)
     cross = mul_rn(other, sin, NO_FMA)

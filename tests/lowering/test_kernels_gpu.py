@@ -458,19 +458,20 @@ def test_rotate_act_quant_rope_prologue_bit_exact(interleaved, tokens, heads, bl
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("rotation", [None, "hadamard"])
-def test_quant_cache_store_rope_prologue_against_reference(interleaved, rotation):
-    """The store's RoPE prologue: bit-exact alone (no rotation), within the rotation's contract before a Hadamard;
-    untouched bytes kept."""
+@pytest.mark.parametrize("rotation, round_k", [(None, False), (None, True), ("hadamard", True)])
+def test_quant_cache_store_rope_prologue_against_reference(interleaved, rotation, round_k):
+    """The store's RoPE prologue on bf16 rows or fp32 rows it rounds first (``round_k``): bit-exact alone (no
+    rotation), within the rotation's contract before a Hadamard; untouched bytes kept."""
     gen = torch.Generator().manual_seed(8)
-    k = (torch.randn(500, 128, generator=gen) * 4).bfloat16().to(DEV)
+    k = (torch.randn(500, 128, generator=gen) * 4).to(DEV)
+    k = k if round_k else k.bfloat16()
     layout = KCacheLayout(64)
     slots = torch.randperm(64 * 10, generator=gen)[:500].to(DEV)
     cache = torch.randint(0, 256, (10, layout.page_bytes), dtype=torch.uint8, generator=gen).to(DEV)
     want = cache.clone()
     matrix = None if rotation is None else hadamard_matrix(128).to(DEV)
     args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
-            *_rope_tables(500, 64, gen), interleaved)
+            *_rope_tables(500, 64, gen), interleaved, round_k)
     _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, *args)
     _op_ref("quant_cache_store").quant_cache_store(k, want, slots, 64, False, *args)
     written = torch.zeros(cache.numel(), dtype=torch.bool, device=DEV)

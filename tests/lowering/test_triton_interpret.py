@@ -475,21 +475,23 @@ def test_rotate_act_quant_rope_prologue_matches_reference(interleaved, rope_dim,
 
 @child_only
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("rotation, block_t", [(None, None), ("identity", None), ("identity", 16),
-                                               ("hadamard32", None)])
-def test_quant_cache_store_rope_prologue_matches_reference(interleaved, rotation, block_t):
-    """The store's RoPE prologue, alone or before a rotation: bytes equal to the reference's where every sum is
-    exact (no rotation, the identity); within the rotation's contract with a Hadamard."""
+@pytest.mark.parametrize("rotation, block_t, round_k", [(None, None, False), ("identity", None, False),
+                                                        ("identity", 16, True), ("hadamard32", None, True)])
+def test_quant_cache_store_rope_prologue_matches_reference(interleaved, rotation, block_t, round_k):
+    """The store's RoPE prologue, alone or before a rotation, on bf16 rows or fp32 rows it rounds first
+    (``round_k``): bytes equal to the reference's where every sum is exact (no rotation, the identity); within the
+    rotation's contract with a Hadamard."""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(13)
-    k = torch.randn(19, 128, generator=gen).bfloat16()
+    k = torch.randn(19, 128, generator=gen) * 3
+    k = k if round_k else k.bfloat16()
     slots = torch.randperm(64, generator=gen)[:19]
     cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
     want = cache.clone()
     matrix = {None: None, "identity": torch.eye(128), "hadamard32": hadamard_matrix(128)}[rotation]
     args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
-            *_rope_case(19, 64, gen), interleaved)
+            *_rope_case(19, 64, gen), interleaved, round_k)
     reference.quant_cache_store(k, want, slots, 16, False, *args)
     _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
     layout = KCacheLayout(16)

@@ -22,10 +22,12 @@ _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 @once_per_signature
 def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions) -> None:
+              rope_sin, positions, round_k) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
-    if rotation is None:
+    if round_k:
+        check("k", k, (None, HEAD_DIM), (torch.float32,), "[T, 128] (round_k rounds fp32 rows to bf16)")
+    elif rotation is None:
         check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
     else:
         check("k", k, (None, HEAD_DIM), (torch.bfloat16,), "[T, 128] (the rotation prologue multiplies bf16 rows)")
@@ -34,7 +36,7 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
         raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
     check("slot_mapping", slot_mapping, (k.shape[0],), INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
     check_layout(cache, page_size, preshuffle)
-    check_rope(k, rope_cos, rope_sin, positions)
+    check_rope(k, rope_cos, rope_sin, positions, torch.bfloat16 if round_k else None)
     optional = {"rotation": rotation, "rope_cos": rope_cos, "rope_sin": rope_sin, "positions": positions}
     check_devices(k=k, cache=cache, slot_mapping=slot_mapping,
                   **{name: t for name, t in optional.items() if t is not None})
@@ -57,6 +59,7 @@ def quant_cache_store(
     rope_sin: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    round_k: bool = False,
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
@@ -65,24 +68,25 @@ def quant_cache_store(
     which then needs no kernel of its own. The rotation ([128, 128] fp32 or bf16, any strides) is summed in another
     order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ. Before it all, the RoPE prologue
     (``rope_cos``, ``rope_sin``, ``positions``, ``rope_interleaved``: as ``nsa.rotate_act_quant``'s) may turn the
-    first lanes of each bf16 row of ``k``."""
+    first lanes of each bf16 row of ``k``; first of all, with ``round_k``, fp32 ``k`` is rounded to bf16 (eager's
+    ``.to(bf16)``, then the rows above are those bf16 rows)."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions)
+              rope_sin, positions, round_k)
     if capability().index_checks:
         check_slots(eager_call, slot_mapping, cache.shape[0], page_size)
     k, slot_mapping, positions = contiguous(k, slot_mapping, positions)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
-                         prologue=rotation is not None or rope_cos is not None)
+                         prologue=rotation is not None or rope_cos is not None or round_k)
     run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
-        rotation, rope_cos, rope_sin, positions, rope_interleaved)
+        rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k)
 
 
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-      rope_interleaved=False):
+      rope_interleaved=False, round_k=False):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions)
+              rope_sin, positions, round_k)
 
 
 register_version_bump(quant_cache_store, mutated=1)  # the cache

@@ -18,15 +18,15 @@ from .reference import scaled_input
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False) -> None:
+                      rope_interleaved=False, round_k=False) -> None:
     """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a rotation or
     RoPE prologue goes to the Triton kernel (``capability.aiter_refusal``); here both would run in torch too. Slots
     it must not write (out of range, earlier duplicates: docs/indices.md) are given as -1, which it skips."""
     slots = slot_mapping.long()
     slots = torch.where(written_slots(slots, cache.shape[0] * page_size), slots, -1)
     cache_ops().indexer_k_quant_and_cache(
-        scaled_input(roped(k, rope_cos, rope_sin, positions, rope_interleaved), input_scale, input_dtype, input_divide,
-                     rotation), kv_cache(cache, page_size, fp8_dtype),
+        scaled_input(roped(k.to(torch.bfloat16) if round_k else k, rope_cos, rope_sin, positions, rope_interleaved),
+                     input_scale, input_dtype, input_divide, rotation), kv_cache(cache, page_size, fp8_dtype),
         slots,
         QUANT_BLOCK, scale_fmt, **preshuffle_kwarg(preshuffle),
     )

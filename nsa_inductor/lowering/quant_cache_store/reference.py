@@ -12,9 +12,9 @@ from .._common import roped
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False) -> None:
+                      rope_interleaved=False, round_k=False) -> None:
     """``act_quant`` each row of ``k'`` and write values + scale into ``cache`` at its slot (negative = skip)."""
-    k = roped(k, rope_cos, rope_sin, positions, rope_interleaved)
+    k = roped(k.to(torch.bfloat16) if round_k else k, rope_cos, rope_sin, positions, rope_interleaved)
     k = scaled_input(k, input_scale, input_dtype, input_divide, rotation)
     values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
     KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))

@@ -40,6 +40,7 @@ def _quant_store_kernel(
     ROPE_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     NO_FMA: tl.constexpr,
+    ROUND_K: tl.constexpr,
     ROTATE: tl.constexpr,
     SPLIT_ROTATION: tl.constexpr,
     SCALE: tl.constexpr,
@@ -60,20 +61,24 @@ def _quant_store_kernel(
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
     ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to
-    ``ROUND_TO`` ("bf16", "fp16" or ""), then the fp8 values and fp32 scale of each row go to its slot
-    (bit-identical to the torch reference without a rotation: ``quantize_rows``), unless the slot is outside ``[0,
-    num_slots)`` or a later token of the store has the same slot (docs/indices.md: the last token writes a shared
-    slot). Each program finds the later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at
-    a time (8 bytes a token: a few KB in decode, read from L2 by every program)."""
+    ``ROUND_TO`` ("bf16", "fp16" or ""; ``ROUND_K``: fp32 ``k`` rounded to bf16 as it is loaded), then the fp8
+    values and fp32 scale of each row go to its slot (bit-identical to the torch reference without a rotation:
+    ``quantize_rows``), unless the slot is outside ``[0, num_slots)`` or a later token of the store has the same
+    slot (docs/indices.md: the last token writes a shared slot). Each program finds the later tokens by scanning the
+    slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a few KB in decode, read from L2
+    by every program)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
     # rows past the last token load 1.0, not 0: tiles with rows of zeros were slower to quantize (BENCHMARKS.md)
     x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=1.0)
+    if ROUND_K:
+        x = round_to_bf16(x).to(tl.bfloat16)  # (exact: the value is a bf16 one)
     if ROPE_DIM:
         x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, t // rows_per_token, in_range, pos_ptr, n_positions,
-                      cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ROPE_DIM, INTERLEAVED, NO_FMA)
+                      cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ROPE_DIM, INTERLEAVED, ROUND_K,
+                      NO_FMA)
     if ROTATE:
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
     else:
@@ -110,7 +115,7 @@ def block_tokens(num_tokens: int, rotate: bool) -> int:
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False, block_t: int | None = None):
+                      rope_interleaved=False, round_k=False, block_t: int | None = None):
     """One launch: quantize ``k [T,128]`` (after the RoPE and rotation prologues and the input epilogue) and store
     it into ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
     tokens sharing a slot only the last writes it (both decided inside the kernel)."""
@@ -134,6 +139,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1],
         INTERLEAVED=rope_interleaved,
         NO_FMA=no_fma(kernel),
+        ROUND_K=round_k,
         ROTATE=rotation is not None,
         SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
         **scale_constants(input_scale, input_divide),
