@@ -89,6 +89,11 @@ def value_root(node: Any) -> Any:
     return walk_back(node, value_step)[0]
 
 
+def live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Users that are read or have effects (a dead node left by an earlier rewrite does not count)."""
+    return [u for u in node.users if u.users or u.op == "output" or u.is_impure()]
+
+
 def tensor_val(node: Any) -> torch.Tensor | None:
     """``val(node)`` when it is a tensor, else ``None``."""
     v = val(node)

@@ -12,9 +12,10 @@ tensor the shape of a ``base`` [T, ..., 128], computed by elementwise arithmetic
 concatenations from ``base`` and from rows gathered (``index``, ``index_select``) by one ``positions`` [T] from
 static tables (graph inputs). Proves it is ``base`` with eager's RoPE on its first ``r`` lanes by running that
 computation on random probes against ``indexer.apply_rope`` (neox or interleaved pairs, either table as cos): every
-bit must agree, so a changed sign, pairing, table or rounding is a near miss. The first pass' output may be read only
-by the op. Rewrites to the op reading ``base``, with ``rope_cos`` / ``rope_sin`` (the gathered rows' views, taken of
-the tables: [P, r/2]), ``positions`` and ``rope_interleaved``: the Inductor kernel that computed the RoPE goes.
+bit must agree, so a changed sign, pairing, table or rounding is a near miss. The RoPE's result may be read only by
+the op, whose rows must be ``base``'s with its first dim. Rewrites to the op reading ``base``, with ``rope_cos`` /
+``rope_sin`` (the gathered rows' views, taken of the tables: [P, r/2]), ``positions`` and ``rope_interleaved``: the
+Inductor kernel that computed the RoPE goes.
 Never: tables computed in the graph, positions of another length than ``base``'s first dim, a RoPE result read
 elsewhere.
 """
@@ -28,15 +29,14 @@ import torch.fx
 
 from ..indexer import apply_rope
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import (VALUE_COPIES, VIEW_OPS, arg, as_int, aten, describe, evaluate, insert_call, is_op, norm_dim,
-                       prims, same_shape, sym_equal, val, value_root)
+from .fx_utils import (VALUE_COPIES, VIEW_OPS, arg, as_int, aten, describe, evaluate, insert_call, is_op, live_users,
+                       norm_dim, prims, same_shape, sym_equal, val, value_root)
 
 # What the RoPE computation may consist of: arithmetic the probes decide, and ops that only move or round values.
 _ARITHMETIC = (aten.mul.Tensor, aten.sub.Tensor, aten.add.Tensor, aten.neg.default)
 _MOVES = (*VIEW_OPS, *VALUE_COPIES, aten.cat.default, aten.stack.default, aten.split.Tensor,
           aten.split_with_sizes.default, aten.unbind.int, aten.slice.Tensor, aten.select.int, aten.expand.default,
           aten.copy.default, aten.slice_scatter.default, prims.convert_element_type.default, operator.getitem)
-_GATHERS = (aten.index.Tensor, aten.index_select.default)
 # Views of a gathered row that are views of the table row too (they keep dim 0, the token).
 _ROW_VIEWS = (aten.select.int, aten.slice.Tensor, operator.getitem)
 
@@ -51,6 +51,7 @@ def _gather(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
 
 
 def _static_table(table: torch.fx.Node) -> None:
+    """The table a gather reads is a graph input's view: its values are the op's to read at run time."""
     root = table
     while is_op(root, aten.select.int, aten.slice.Tensor, *VIEW_OPS):
         root = root.args[0]
@@ -181,7 +182,10 @@ class RopePrologue(GraphPass):
         if val(written).dtype != torch.bfloat16 or as_int(val(written).shape[-1]) != 128 or val(written).dim() < 2:
             raise NearMiss(f"{describe(written)} is not bf16 rows of 128 (the RoPE prologue turns bf16 rows)")
         base = _base(written)
-        if len([u for u in written.users if u.users or u.op == "output" or u.is_impure()]) != 1:
+        if not sym_equal(val(x).shape[0], val(base).shape[0]):
+            raise NearMiss(f"the op reads the rows as {list(val(x).shape)}, not one token per index of the first dim "
+                           f"as {describe(base)} {list(val(base).shape)}")
+        if len(live_users(written)) != 1:
             raise NearMiss(f"{describe(written)} (the RoPE's result) is also read elsewhere: fusing would compute it "
                            "twice")
         root = value_root(base)  # (the RoPE may read base's lanes through another view of its storage)

@@ -30,8 +30,8 @@ import torch.fx
 
 from ..quant import ROTATED_QUANT_BLOCKS
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import (ActQuant, aten, cone, describe, insert_call, is_op, match_act_quant, prims, replace, val,
-                       view_chain, walk_back)
+from .fx_utils import (ActQuant, aten, cone, describe, insert_call, is_op, live_users, match_act_quant, prims, replace,
+                       val, view_chain, walk_back)
 
 ROTATION_SIZE = 128
 
@@ -48,15 +48,10 @@ class Rotation:
     chain: list[torch.fx.Node]  # every node after x and matrix up to the result, each read only by the next
 
 
-def _live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Users that are read or have effects (a dead node left by an earlier rewrite does not count)."""
-    return [u for u in node.users if u.users or u.op == "output" or u.is_impure()]
-
-
 def _single_use(nodes: list[torch.fx.Node], what: str) -> None:
     for node in nodes:
-        if len(_live_users(node)) != 1:
-            others = ", ".join(describe(u) for u in _live_users(node))
+        if len(live_users(node)) != 1:
+            others = ", ".join(describe(u) for u in live_users(node))
             raise NearMiss(f"{describe(node)} of {what} is also read elsewhere ({others}): fusing would keep its GEMM")
 
 
@@ -181,7 +176,7 @@ def _quant_private(quant: ActQuant) -> list[torch.fx.Node]:
     inner = set(cone(quant.values, [blocks]) or ()) | set(cone(quant.scale, [blocks]) or ())
     inner -= {quant.values, quant.scale}
     for node in [blocks, *inner]:
-        outside = [u for u in _live_users(node) if u not in inner and u is not quant.values and u is not quant.scale]
+        outside = [u for u in live_users(node) if u not in inner and u is not quant.values and u is not quant.scale]
         if outside:
             raise NearMiss(f"{describe(node)} of the act_quant is also read by {describe(outside[0])}: fusing would "
                            "keep its GEMM")

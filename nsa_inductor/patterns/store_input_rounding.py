@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import describe, is_op, prims, same_shape, val
+from .fx_utils import describe, is_op, live_users, prims, same_shape, val
 
 
 class StoreInputRounding(GraphPass):
@@ -37,7 +37,7 @@ class StoreInputRounding(GraphPass):
         y = k.args[0]
         if val(y).dtype != torch.float32 or not same_shape(y, k):
             raise NearMiss(f"the stored k is cast from {val(y).dtype}, not from float32 of its shape")
-        readers = [u for u in k.users if u.users or u.op == "output" or u.is_impure()]
+        readers = live_users(k)
         if readers != [anchor]:
             raise NearMiss(f"the bf16 k is also read by {describe([u for u in readers if u is not anchor][0])}")
         anchor.kwargs = {**anchor.kwargs, "k": y, "round_k": True}

@@ -141,6 +141,13 @@ def _two_position_tensors(x, table, positions, h):
     return quantized(x, h)
 
 
+def _rows_flattened(x, table, positions, h):
+    cos, sin = _rows_table(table, positions, x)
+    x = x.clone()
+    x[..., :64] = apply_rope(x[..., :64], cos, sin, interleaved=False)
+    return quantized(x.flatten(0, 1), h)
+
+
 def _a_clamp_inside(x, table, positions, h):
     cos, sin = _rows_table(table, positions, x)
     x = x.clone()
@@ -156,6 +163,7 @@ NEAR_MISSES = {
     "RoPE read elsewhere": (_rope_read_elsewhere, "also read elsewhere"),
     "two position tensors": (_two_position_tensors, "2 position tensors"),
     "a clamp": (_a_clamp_inside, "not RoPE arithmetic"),
+    "rows flattened across tokens": (_rows_flattened, "not one token per index of the first dim"),
 }
 
 
