@@ -89,6 +89,13 @@ def value_root(node: Any) -> Any:
     return walk_back(node, value_step)[0]
 
 
+def is_store(node: Any) -> bool:
+    """An ``nsa.quant_cache_store`` an earlier pass inserted (``auto_functionalized``: its arguments are kwargs)."""
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is torch.ops.higher_order.auto_functionalized
+            and node.args[0] is torch.ops.nsa.quant_cache_store.default)
+
+
 def live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Users that are read or have effects (a dead node left by an earlier rewrite does not count)."""
     return [u for u in node.users if u.users or u.op == "output" or u.is_impure()]

@@ -24,7 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import as_int, describe, erase_dead, insert_call, is_op, sym_equal, tensor_val, view_chain
+from .fx_utils import as_int, describe, erase_dead, insert_call, is_op, is_store, sym_equal, tensor_val, view_chain
 from .mqa import graph_cache_layout
 from .mqa.proofs import analyze, cache_values
 from .mqa.proofs import candidates as logits_candidates
@@ -97,12 +97,6 @@ def _replay(graph: torch.fx.Graph, start: torch.fx.Node, views: list[torch.fx.No
     return start
 
 
-def quantized_by_store(node: torch.fx.Node) -> bool:
-    """``nsa.quant_cache_store`` (inserted by an earlier pass) rounds its input to bf16 and fp8 itself."""
-    return (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized
-            and str(node.args[0]) == "nsa.quant_cache_store.default")
-
-
 def weight_rows(graph: torch.fx.Graph, b: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
     """The weight as ``[N, K]`` (the op's layout): ``w`` itself under ``b = permute(w)``, else a transposed view."""
     return w if b is not w else insert_call(graph, aten.permute.default, (w, [1, 0]))
@@ -118,7 +112,7 @@ def _rounded_downstream(node: torch.fx.Node) -> str | None:
         for user in queue.popleft().users:
             if is_op(user, prims.convert_element_type.default) and user.args[1] in _LOW_PRECISION:
                 return f"rounded to {user.args[1]} downstream by {describe(user)}"
-            if quantized_by_store(user):
+            if is_store(user):  # (the store rounds its input to bf16 and fp8 itself)
                 return f"quantized to fp8 downstream by {describe(user)}"
             if user not in seen:
                 if len(seen) >= DOWNSTREAM_LIMIT:

@@ -29,8 +29,8 @@ import torch.fx
 
 from ..indexer import apply_rope
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import (VALUE_COPIES, VIEW_OPS, arg, as_int, aten, describe, evaluate, insert_call, is_op, live_users,
-                       norm_dim, prims, same_shape, sym_equal, val, value_root)
+from .fx_utils import (VALUE_COPIES, VIEW_OPS, arg, as_int, aten, describe, evaluate, insert_call, is_op, is_store,
+                       live_users, norm_dim, prims, same_shape, sym_equal, val, value_root)
 
 # What the RoPE computation may consist of: arithmetic the probes decide, and ops that only move or round values.
 _ARITHMETIC = (aten.mul.Tensor, aten.sub.Tensor, aten.add.Tensor, aten.neg.default)
@@ -168,14 +168,11 @@ class RopePrologue(GraphPass):
         for node in list(graph.nodes):
             if is_op(node, torch.ops.nsa.rotate_act_quant.default) and "rope_cos" not in node.kwargs:
                 yield node
-            elif (node.target is torch.ops.higher_order.auto_functionalized
-                  and node.args[0] is torch.ops.nsa.quant_cache_store.default
-                  and node.kwargs.get("rope_cos") is None):
+            elif is_store(node) and node.kwargs.get("rope_cos") is None:
                 yield node
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
-        store = anchor.target is torch.ops.higher_order.auto_functionalized
-        x = anchor.kwargs["k"] if store else anchor.args[0]
+        x = anchor.kwargs["k"] if is_store(anchor) else anchor.args[0]
         written = x
         while is_op(written, *VIEW_OPS):
             written = written.args[0]

@@ -30,8 +30,8 @@ import torch.fx
 
 from ..quant import ROTATED_QUANT_BLOCKS
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import (ActQuant, aten, cone, describe, insert_call, is_op, live_users, match_act_quant, prims, replace,
-                       val, view_chain, walk_back)
+from .fx_utils import (ActQuant, aten, cone, describe, insert_call, is_op, is_store, live_users, match_act_quant, prims,
+                       replace, val, view_chain, walk_back)
 
 ROTATION_SIZE = 128
 
@@ -133,13 +133,11 @@ class RotateActQuant(GraphPass):
             if is_op(node, prims.convert_element_type.default) and val(node).dtype in (
                     torch.float8_e4m3fn, torch.float8_e4m3fnuz):
                 yield node
-            elif (node.target is torch.ops.higher_order.auto_functionalized
-                  and node.args[0] is torch.ops.nsa.quant_cache_store.default
-                  and node.kwargs.get("rotation") is None):
+            elif is_store(node) and node.kwargs.get("rotation") is None:
                 yield node
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
-        if anchor.target is torch.ops.higher_order.auto_functionalized:
+        if is_store(anchor):
             rotation = _rotation_of_store(anchor)
             _single_use(rotation.chain, "the rotation")
             anchor.kwargs = {**anchor.kwargs, "k": rotation.x, "rotation": rotation.matrix,

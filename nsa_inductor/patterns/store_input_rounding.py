@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import describe, is_op, live_users, prims, same_shape, val
+from .fx_utils import describe, is_op, is_store, live_users, prims, same_shape, val
 
 
 class StoreInputRounding(GraphPass):
@@ -25,9 +25,7 @@ class StoreInputRounding(GraphPass):
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext):
         for node in list(graph.nodes):
-            if (node.target is torch.ops.higher_order.auto_functionalized
-                    and node.args[0] is torch.ops.nsa.quant_cache_store.default
-                    and not node.kwargs.get("round_k", False)):
+            if is_store(node) and not node.kwargs.get("round_k", False):
                 yield node
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:

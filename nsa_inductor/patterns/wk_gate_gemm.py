@@ -28,9 +28,10 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, same_shape, tensor_val, view_chain
-from .head_gate_gemm import (DOWNSTREAM_LIMIT, check_parameter_weight, quantized_by_store, static_inputs,
-                             sum_partials, transposed_weight, weight_rows)
+from .fx_utils import (VIEW_OPS, as_int, describe, erase_dead, insert_call, is_op, is_store, same_shape, tensor_val,
+                       view_chain)
+from .head_gate_gemm import (DOWNSTREAM_LIMIT, check_parameter_weight, static_inputs, sum_partials, transposed_weight,
+                             weight_rows)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -86,7 +87,7 @@ def _cache_write(node: torch.fx.Node) -> bool:
     """``node`` writes the uint8 K cache: ``nsa.quant_cache_store``, or an ``index_put`` into a view or slice of a
     uint8 graph input (eager stores: ``KCacheLayout.store`` writes the cache as int32 words, others index the value
     and scale parts of its pages)."""
-    if quantized_by_store(node):
+    if is_store(node):
         return True
     if not is_op(node, aten.index_put.default, aten.index_put_.default):
         return False
