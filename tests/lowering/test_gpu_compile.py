@@ -61,6 +61,14 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
         x = torch.zeros(batch * 64, 128, dtype=torch.bfloat16)
         calls.append(("rotate_act_quant", (x, rotation, 128**-0.5, False, 128, "ue8m0", fp8,
                                            float(torch.finfo(fp8).max)), {}))
+        # the RoPE prologue (neox on q, interleaved on k; the store rounding fp32 k first)
+        cos_sin = torch.zeros(4096, 2, 32)
+        rope = {"rope_cos": cos_sin[:, 0], "rope_sin": cos_sin[:, 1], "positions": torch.arange(batch)}
+        calls.append(("rotate_act_quant", (x.view(batch, 64, 128), rotation, 128**-0.5, False, 128, "ue8m0", fp8,
+                                           float(torch.finfo(fp8).max)), rope))
+        calls.append(("quant_cache_store", (k.float(), cache, slots, page, preshuffle, "ue8m0", fp8, 128**-0.5,
+                                            torch.bfloat16, False, rotation),
+                      {**rope, "rope_interleaved": True, "round_k": True}))
     for rows, width in ((64, 8192), (8, 8192), (1, 32768), (300, 8192), (200, 32768)):
         logits = torch.zeros(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32)
@@ -82,8 +90,9 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
     return calls
 
 
-def _specialisations(fp8: torch.dtype, preshuffle: bool) -> dict:
-    """{(kernel name, signature, constexprs, options): (kernel, signature, constexprs, options)} of every launch."""
+def _specialisations(fp8: torch.dtype, preshuffle: bool, hip: bool) -> dict:
+    """{(kernel name, signature, constexprs, options): (kernel, signature, constexprs, options)} of every launch, as
+    the launchers make them on that platform (``hip``: ``torch.version.hip`` set, as on ROCm)."""
     found = {}
 
     def record(self, *args, grid, warmup, **kwargs):
@@ -107,7 +116,7 @@ def _specialisations(fp8: torch.dtype, preshuffle: bool) -> dict:
                tuple(sorted(options.items())))
         found.setdefault(key, (self, signature, constexprs, options))
 
-    with mock.patch.object(JITFunction, "run", record):
+    with mock.patch.object(JITFunction, "run", record), mock.patch.object(torch.version, "hip", "6.3" if hip else None):
         for op, args, kwargs in _calls(fp8, preshuffle):
             getattr(_module(op), op)(*args, **kwargs)
     return found
@@ -116,7 +125,7 @@ def _specialisations(fp8: torch.dtype, preshuffle: bool) -> dict:
 @pytest.mark.parametrize("target_name", list(TARGETS))
 def test_every_kernel_compiles_for_the_target(target_name):
     target, fp8, preshuffle = TARGETS[target_name]
-    found = _specialisations(fp8, preshuffle)
+    found = _specialisations(fp8, preshuffle, target.backend == "hip")
     assert {key[0] for key in found} == _kernels()  # every kernel launched by some call
     failures = []
     for key, (kernel, signature, constexprs, options) in found.items():
