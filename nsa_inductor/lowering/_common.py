@@ -67,9 +67,8 @@ def check_rope(x: torch.Tensor, rope_cos, rope_sin, positions, rows_dtype: torch
         raise ValueError("rope_cos, rope_sin and positions come together (a RoPE prologue) or not at all")
     if (rows_dtype or x.dtype) != torch.bfloat16 or x.dim() < 2:
         raise ValueError(f"a RoPE prologue rotates bf16 rows [T, ..., 128], got {describe(x)}")
-    half = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
     check("rope_cos", rope_cos, (None, None), (torch.float32,), "[positions, rope_dim // 2]")
-    if not 0 < half <= HEAD_DIM // 2:
+    if not 0 < rope_cos.shape[1] <= HEAD_DIM // 2:
         raise ValueError(f"rope_cos must have 1 to {HEAD_DIM // 2} columns (half the rotated lanes), got "
                          f"{describe(rope_cos)}")
     check("rope_sin", rope_sin, tuple(rope_cos.shape), (torch.float32,), f"{list(rope_cos.shape)} (as rope_cos)")

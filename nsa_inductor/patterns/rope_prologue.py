@@ -217,7 +217,7 @@ class RopePrologue(GraphPass):
         same = {}
         for g in gathers:  # one probe per distinct (table, positions): spelled twice, still one table
             key = _table_key(_gather(g)[0])
-            same.setdefault(key, _probe(g, gen).float())
+            same.setdefault(key, _probe(g, gen))
             probes[g] = same[key]
         got = evaluate(written, probes)
         rows = _row_tables(gathers, nodes, tokens)

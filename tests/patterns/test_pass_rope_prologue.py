@@ -112,47 +112,38 @@ def _extra_rounding(x, table, positions, h):
     return quantized(x, h)
 
 
-def _last_lanes(x, table, positions, h):
-    cos, sin = _rows_table(table, positions, x)
+def _roped(x, cos, sin, lanes=slice(0, 64)):
+    """A copy of ``x`` with ``apply_rope`` (neox) written into ``lanes``."""
     x = x.clone()
-    x[..., 64:] = apply_rope(x[..., 64:], cos, sin, interleaved=False)
-    return quantized(x, h)
+    x[..., lanes] = apply_rope(x[..., lanes], cos, sin, interleaved=False)
+    return x
+
+
+def _last_lanes(x, table, positions, h):
+    return quantized(_roped(x, *_rows_table(table, positions, x), lanes=slice(64, 128)), h)
 
 
 def _table_computed_in_graph(x, table, positions, h):
-    cos, sin = _rows_table(table * 1.0001, positions, x)
-    x = x.clone()
-    x[..., :64] = apply_rope(x[..., :64], cos, sin, interleaved=False)
-    return quantized(x, h)
+    return quantized(_roped(x, *_rows_table(table * 1.0001, positions, x)), h)
 
 
 def _rope_read_elsewhere(x, table, positions, h):
-    cos, sin = _rows_table(table, positions, x)
-    x = x.clone()
-    x[..., :64] = apply_rope(x[..., :64], cos, sin, interleaved=False)
+    x = _roped(x, *_rows_table(table, positions, x))
     return (*quantized(x, h), x.float().sum())
 
 
 def _two_position_tensors(x, table, positions, h):
-    cos = table[positions, 0].unsqueeze(-2)
-    sin = table[positions.flip(0), 1].unsqueeze(-2)
-    x = x.clone()
-    x[..., :64] = apply_rope(x[..., :64], cos, sin, interleaved=False)
-    return quantized(x, h)
+    cos, sin = table[positions, 0].unsqueeze(-2), table[positions.flip(0), 1].unsqueeze(-2)
+    return quantized(_roped(x, cos, sin), h)
 
 
 def _rows_flattened(x, table, positions, h):
-    cos, sin = _rows_table(table, positions, x)
-    x = x.clone()
-    x[..., :64] = apply_rope(x[..., :64], cos, sin, interleaved=False)
-    return quantized(x.flatten(0, 1), h)
+    return quantized(_roped(x, *_rows_table(table, positions, x)).flatten(0, 1), h)
 
 
 def _a_clamp_inside(x, table, positions, h):
     cos, sin = _rows_table(table, positions, x)
-    x = x.clone()
-    x[..., :64] = apply_rope(x[..., :64], cos.clamp(-0.5, 0.5), sin, interleaved=False)
-    return quantized(x, h)
+    return quantized(_roped(x, cos.clamp(-0.5, 0.5), sin), h)
 
 
 NEAR_MISSES = {
