@@ -1,6 +1,8 @@
-"""GPU time of each kernel in one compiled decode step (torch.profiler), DeepSeek-V3.2, B=64, ctx ~8192 by default.
+"""GPU time of each kernel in one compiled decode step (torch.profiler), DeepSeek-V3.2, B=64, ctx ~8192 by default;
+with ``--prefill T``, of one compiled prefill of a T-token sequence instead.
 
     python benchmarks/profile_decode.py [--steps 10] [--batch 64] [--ctx 8192] [--topk-order sorted|set] [--checks]
+                                        [--prefill T]
 
 The backend is imported from whichever ``nsa_inductor`` comes first on ``PYTHONPATH``, so two versions compare in
 one process each, e.g. ``git archive <commit> nsa_inductor | tar -x -C old; PYTHONPATH=old python ...``. Steps run
@@ -19,7 +21,7 @@ import nsa_inductor
 from nsa_inductor.backend import nsa_rocm
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
-from nsa_inductor.workload import decode_batch
+from nsa_inductor.workload import decode_batch, prefill_batch
 
 
 def main() -> None:
@@ -29,18 +31,25 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=8192, help="the longest context (the others 8 tokens apart)")
     parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted")
     parser.add_argument("--checks", action="store_true", help="with nsa.checks (the index checks' device asserts)")
+    parser.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     args = parser.parse_args()
     steps = args.steps
-    print(f"nsa_inductor from {nsa_inductor.__file__}; B={args.batch} ctx={args.ctx} top-k order {args.topk_order}"
+    shape = f"prefill T={args.prefill}" if args.prefill else f"B={args.batch} ctx={args.ctx}"
+    print(f"nsa_inductor from {nsa_inductor.__file__}; {shape} top-k order {args.topk_order}"
           f"{' nsa.checks' if args.checks else ''}")
-    config, layout = IndexerConfig.deepseek_v32(max_model_len=args.ctx), KCacheLayout(64)
+    config = IndexerConfig.deepseek_v32(max_model_len=max(args.ctx, args.prefill))
+    layout = KCacheLayout(64)
     model = Indexer(config, layout).cuda()
     model.reset_parameters()
-    batch = decode_batch(config, layout, [args.ctx - 8 * i for i in range(args.batch)], max_len=args.ctx,
-                         device="cuda")
+    if args.prefill:
+        batch = prefill_batch(config, layout, [args.prefill], device="cuda")
+    else:
+        batch = decode_batch(config, layout, [args.ctx - 8 * i for i in range(args.batch)], max_len=args.ctx,
+                             device="cuda")
     options = {"nsa.layout": "paged", "nsa.page_size": 64, "nsa.topk_order": args.topk_order,
                "nsa.checks": args.checks}
-    step = torch.compile(model.decode, backend=functools.partial(nsa_rocm, options=options))
+    step = torch.compile(model.prefill if args.prefill else model.decode,
+                         backend=functools.partial(nsa_rocm, options=options))
     with torch.no_grad():
         for _ in range(3):
             step(*batch.args)

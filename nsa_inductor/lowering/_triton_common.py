@@ -257,8 +257,8 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: t
     Tiles under 16 rows (decode: one or two rows a program) multiply in fp32, row by row: the whole fp32 ``R``, the
     products as eager's fp32 GEMM forms them, summed in a tree (+0.0 after it: an all-zero row sums to +0 as in a
     GEMM, not to -0). Larger tiles use ``tl.dot``, which needs 16 rows: an fp32 ``R`` (``SPLIT``) enters as bf16
-    ``hi + lo`` (:func:`split_bf16`: two dots, R to ~16 bits; a +-1 Hadamard has ``lo = 0`` and is exact), a bf16
-    one as is. The small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small tiles")."""
+    ``hi + lo`` (:func:`split_bf16`: R to ~16 bits; two dots, one where every ``lo`` is 0, as in a +-1 Hadamard), a
+    bf16 one as is. The small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small tiles")."""
     d = tl.arange(0, 128)
     r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
     if BLOCK < 16:
@@ -273,8 +273,11 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: t
     if SPLIT:
         hi, lo = split_bf16(r)
         acc = dot_bf16(acc, x, hi, ON_GPU)
-        low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
-        acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
+        if tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0:
+            low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
+            acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
+        else:
+            acc += 0.0  # as the zeros' dot would add (-0 -> +0)
     else:
         acc = dot_bf16(acc, x, r, ON_GPU)
     return acc

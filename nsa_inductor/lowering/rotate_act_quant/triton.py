@@ -48,8 +48,9 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
 
 def block_rows(rows: int) -> int:
     """Rows per program: one or two on the fp32 row path up to 1024 rows (decode up to B=16), then ``tl.dot`` tiles
-    of 16, and of 32 past 4096 rows (BENCHMARKS.md "The rotation's small tiles")."""
-    return 1 if rows <= 128 else 2 if rows <= 1024 else 16 if rows <= 4096 else 32
+    of 16, and of 64 past 4096 rows (fewer reads of the matrix; BENCHMARKS.md "The rotation's small tiles" and
+    "large tiles")."""
+    return 1 if rows <= 128 else 2 if rows <= 1024 else 16 if rows <= 4096 else 64
 
 
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None,

@@ -24,9 +24,6 @@ from .._triton_common import next_power_of_2
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
 MAX_BLOCK = 8192
-# Up to this many rows the sorted order is made by our kernels (`sort_for`); more rows, on every path, are ordered
-# by one batched torch sort after them (BENCHMARKS.md, top-k).
-MAX_SORTED_ROWS = 256
 
 # How rows are selected (`path_for`): bisection over each row's keys; the radix pre-filter spread over (row, segment)
 # programs in two launches; the radix pre-filter in one program per row.
@@ -48,9 +45,9 @@ RADIX_ROW_MIN_ROWS = 256
 RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 8 and 16)
-# The two-launch sort (sorted order up to MAX_SORTED_ROWS rows, of more survivors than one chunk): entries per chunk
-# sorted in registers (512 beat 256 and 1024 at 1-64 rows), and per program that places them (with one program per
-# chunk the merge was a B=1 step's slowest kernel; BENCHMARKS.md, top-k).
+# The two-launch sort (sorted order of more survivors than one chunk): entries per chunk sorted in registers (512
+# beat 256 and 1024 at 1-64 rows), and per program that places them (with one program per chunk the merge was a B=1
+# step's slowest kernel; BENCHMARKS.md, top-k).
 SORT_CHUNK = 512
 MERGE_PART = 64
 # The rank sort (`_rank_sort_kernel`: sorted order of up to RANK_SORT_MAX_ROWS rows on the split radix path, which
@@ -60,7 +57,7 @@ RANK_PART = 16
 RANK_BLOCK = 2048
 RANK_WARPS = 4
 # How the sorted order is made (`sort_for`), and the paths each way serves.
-SORTS = {"in_kernel": ("bisect",), "ranks": ("radix_split",), "chunks": PATHS, "torch": PATHS}
+SORTS = {"in_kernel": ("bisect",), "ranks": ("radix_split",), "chunks": PATHS}
 
 
 @triton.jit
@@ -578,10 +575,8 @@ def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
 def sort_for(rows: int, k: int, path: str, sort_chunk: int = SORT_CHUNK) -> str:
     """How the sorted order is made (``SORTS``; BENCHMARKS.md, top-k): by the bisection kernel in registers up to
     one chunk of survivors (the chunk sort beat its in-register sort of 2048 pairs at 64 rows); by ranks on the
-    split radix path up to ``RANK_SORT_MAX_ROWS`` rows; by chunks up to ``MAX_SORTED_ROWS``; past that by one
-    batched torch sort."""
-    if rows > MAX_SORTED_ROWS:
-        return "torch"
+    split radix path up to ``RANK_SORT_MAX_ROWS`` rows; else by chunks (at 2048+ rows also faster than a batched
+    torch sort after the kernel)."""
     if path == "bisect" and k <= sort_chunk:
         return "in_kernel"
     if path == "radix_split" and rows <= RANK_SORT_MAX_ROWS:
@@ -660,8 +655,6 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
                         block or RADIX_ROW_BLOCK, capacity, num_warps)
     if sort == "chunks":
         _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk)
-    elif sort == "torch":
-        _sort_after(logits, lengths, offset, pad, out)
     return out
 
 
@@ -737,16 +730,3 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
                                                           CHUNKS_POW2=next_power_of_2(n_chunks),
                                                           SEARCH_STEPS=chunk.bit_length(), num_warps=4)
 
-
-def _sort_after(logits, lengths, offset, pad, out):
-    """Descending value order by one batched torch sort (many rows: faster than a register sort per program)."""
-    n_cols = logits.shape[1]
-    cols = out.long() + (0 if offset is None else offset.long()[:, None])
-    values = logits.gather(1, cols.clamp(0, n_cols - 1))
-    if lengths is not None:
-        values = values.masked_fill(cols >= lengths.long()[:, None], float("-inf"))
-    if pad != "column":
-        values = values.masked_fill(out == -1, float("-inf"))
-    bits = values.view(torch.int32)
-    key = torch.where(values.isnan(), torch.iinfo(torch.int32).max, bits ^ ((bits >> 31) & 0x7FFFFFFF))
-    out.copy_(out.gather(1, key.argsort(dim=1, descending=True)))  # the kernel's key order: NaN first
