@@ -47,10 +47,15 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
 
 
 def block_rows(rows: int) -> int:
-    """Rows per program: one or two on the fp32 row path up to 1024 rows (decode up to B=16), then ``tl.dot`` tiles
-    of 16, and of 64 past 4096 rows (fewer reads of the matrix; BENCHMARKS.md "The rotation's small tiles" and
-    "large tiles")."""
-    return 1 if rows <= 128 else 2 if rows <= 1024 else 16 if rows <= 4096 else 64
+    """Rows per program: one or two on the fp32 row path up to 512 rows (decode up to B=8), then ``tl.dot`` tiles
+    of 16, 32 from 2049 rows and 64 from 4097 (BENCHMARKS.md "The rotation's small tiles", "The rotation's tiles by
+    size")."""
+    return 1 if rows <= 128 else 2 if rows <= 512 else 16 if rows <= 2048 else 32 if rows <= 4096 else 64
+
+
+def warps_for(rows: int, block_m: int) -> int:
+    """8 warps for the dot tiles of decode (up to 8192 rows), else 4 (the row path; prefill's many tiles)."""
+    return 8 if block_m >= 16 and rows <= 8192 else 4
 
 
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None,
@@ -70,6 +75,6 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
         **scale_constants(scale, divide),
         SPLIT_ROTATION=rotation.dtype == torch.float32, QUANT_BLOCK=quant_block,
         **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt), ON_GPU=not interpreted(kernel), BLOCK_M=block_m,
-        num_warps=4,
+        num_warps=warps_for(rows, block_m),
     )
     return values, scales
