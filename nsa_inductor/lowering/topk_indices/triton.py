@@ -460,8 +460,8 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last program to arrive
     (no program waits on another: CUDA-graph safe) selects the rest of the top k among the candidates, then pads.
     With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
-    row, src, length, take, dst, shift_cols = _row_start(logits, lengths, offset, out, n_cols, stride_row, k,
-                                                         HAS_LENGTHS, HAS_OFFSET)
+    row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
+                                                         stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     segment = tl.program_id(1)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
@@ -513,10 +513,10 @@ def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst_ke
 
 
 @triton.jit
-def _row_start(logits, lengths, offset, out, n_cols, stride_row, k, HAS_LENGTHS: tl.constexpr,
+def _row_start(row, logits, lengths, offset, out, n_cols, stride_row, k, HAS_LENGTHS: tl.constexpr,
                HAS_OFFSET: tl.constexpr):
     """A per-row program's (row, its logits, length, how many it takes, its output row, column shift)."""
-    row = tl.program_id(0).to(tl.int64)
+    row = row.to(tl.int64)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     return (row, logits + row * stride_row, length, tl.minimum(k, length), out + row * k,
             _row_shift(offset, row, HAS_OFFSET))
@@ -528,9 +528,10 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
     its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
-    among those, the padding."""
-    row, src, length, take, dst, shift_cols = _row_start(logits, lengths, offset, out, n_cols, stride_row, k,
-                                                         HAS_LENGTHS, HAS_OFFSET)
+    among those, the padding. Programs take the rows last first: a causal prefill's longest rows start first, its
+    shortest fill the last wave."""
+    row, src, length, take, dst, shift_cols = _row_start(tl.num_programs(0) - 1 - tl.program_id(0), logits, lengths,
+                                                         offset, out, n_cols, stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     pos = tl.arange(0, CHUNK)
