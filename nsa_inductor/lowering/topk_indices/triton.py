@@ -730,4 +730,3 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     _merge_chunks_kernel[(rows, n_chunks, chunk // part)](sorted_chunks, out, k, n_chunks, CHUNK=chunk, PART=part,
                                                           CHUNKS_POW2=next_power_of_2(n_chunks),
                                                           SEARCH_STEPS=chunk.bit_length(), num_warps=4)
-
