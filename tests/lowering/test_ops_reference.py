@@ -108,6 +108,9 @@ def test_quant_cache_store_rotation_prologue_stores_eagers_rotation():
     assert torch.equal(got, want) and torch.equal(cache, want)  # H is symmetric: the transposed view is H too
     with pytest.raises(ValueError, match=r"k must be bfloat16 \[T, 128\] \(the rotation prologue"):
         torch.ops.nsa.quant_cache_store(k.float(), got, slots, 16, True, "ue8m0", FN, 1.0, None, False, h)
+    with pytest.raises(ValueError, match=r"rotation must be .*\[128, 128\]"):  # also where round_k rounds fp32 rows
+        torch.ops.nsa.quant_cache_store(k.float(), got, slots, 16, True, "ue8m0", FN, 1.0, None, False, h[:64],
+                                        round_k=True)
 
 
 def test_quant_cache_store_all_padding_writes_nothing():

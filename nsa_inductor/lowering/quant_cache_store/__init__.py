@@ -31,6 +31,7 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
         check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
     else:
         check("k", k, (None, HEAD_DIM), (torch.bfloat16,), "[T, 128] (the rotation prologue multiplies bf16 rows)")
+    if rotation is not None:
         check_rotation(rotation)
     if input_dtype is not None and input_dtype not in _ROUNDED_K_DTYPES:
         raise ValueError(f"input_dtype must be None or one of {_ROUNDED_K_DTYPES}, got {input_dtype}")
