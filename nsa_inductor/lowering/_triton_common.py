@@ -217,15 +217,78 @@ def rope_arguments(x: torch.Tensor, rows: int, rope_cos, rope_sin, positions) ->
 
 
 @triton.jit
+def _halves(x):
+    """``[R, 2m]`` as its lanes ``[0, m)`` and ``[m, 2m)``, each ``[R, m]`` (no arithmetic: a permutation)."""
+    rows: tl.constexpr = x.shape[0]
+    m: tl.constexpr = x.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(x, [rows, 2, m]), [0, 2, 1]))
+
+
+@triton.jit
+def _welford_combine(own_mean, own_m2, own_n, other_mean, other_m2, other_n):
+    """ATen's ``cuWelfordCombine(own, other)`` (``1/n`` then products, nvcc's FMA contractions; counts > 0)."""
+    delta = own_mean - other_mean
+    n = other_n + own_n
+    coef = 1.0 / n
+    share_other = other_n * coef
+    share_own = own_n * coef
+    mean = tl.fma(share_other, other_mean, share_own * own_mean)
+    m2 = tl.fma(delta * delta * other_n, share_own, other_m2 + own_m2)
+    return mean, m2, n
+
+
+@triton.jit
+def layer_norm_rows(x, w_ptr, b_ptr, eps, ON_GPU: tl.constexpr):
+    """``F.layer_norm`` of fp32 rows ``x [BLOCK, 128]`` with fp32 weight and bias, in the order of ATen's CUDA kernel
+    (``vectorized_layer_norm_kernel``: lane t of one warp runs Welford over ``x[4t:4t+4]``, the 32 lanes combine by
+    halves, the other warps add nothing, ``rsqrtf(m2 / 128 + eps)``, ``w * (rstd * (x - mean)) + b`` as an FMA);
+    returns ``(y, mean, rstd)``, the last two per row."""
+    rows: tl.constexpr = x.shape[0]
+    even, odd = tl.split(tl.reshape(x, [rows, 32, 2, 2]))  # lane t's values 4t, 4t+2 and 4t+1, 4t+3
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    zero = tl.zeros([rows, 32], tl.float32)
+    delta = v0 - zero
+    mean = tl.fma(delta, 1.0, zero)
+    m2 = tl.fma(delta, v0 - mean, zero)
+    delta = v1 - mean
+    mean = tl.fma(delta, 0.5, mean)
+    m2 = tl.fma(delta, v1 - mean, m2)
+    delta = v2 - mean
+    mean = tl.fma(delta, 1.0 / 3.0, mean)
+    m2 = tl.fma(delta, v2 - mean, m2)
+    delta = v3 - mean
+    mean = tl.fma(delta, 0.25, mean)
+    m2 = tl.fma(delta, v3 - mean, m2)
+    n = zero + 4.0
+    for _ in tl.static_range(5):  # shfl_down by 16, 8, 4, 2, 1: lane i takes lane i + offset's
+        own_mean, other_mean = _halves(mean)
+        own_m2, other_m2 = _halves(m2)
+        own_n, other_n = _halves(n)
+        mean, m2, n = _welford_combine(own_mean, own_m2, own_n, other_mean, other_m2, other_n)
+    mean = tl.reshape(mean, [rows]) + 0.0  # the combines with the empty warps: -0 -> +0
+    var = (tl.reshape(m2, [rows]) + 0.0) / 128.0
+    if ON_GPU:
+        rstd = libdevice.rsqrt(var + eps)
+    else:
+        rstd = 1.0 / tl.sqrt(var + eps)
+    d = tl.arange(0, 128)
+    w = tl.load(w_ptr + d)
+    b = tl.load(b_ptr + d)
+    return tl.fma(w[None, :], rstd[:, None] * (x - mean[:, None]), b[None, :]), mean, rstd
+
+
+@triton.jit
 def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
-              stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_PARTNER: tl.constexpr,
-              NO_FMA: tl.constexpr):
+              stride_sj, ln_mean, ln_rstd, ln_w_ptr, ln_b_ptr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+              LAYER_NORM: tl.constexpr, ROUND_PARTNER: tl.constexpr, NO_FMA: tl.constexpr):
     """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]``) with eager's RoPE on their first ``ROPE_DIM``
     lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when ``INTERLEAVED``, turn
     by the angle of pair i at ``positions[token]``: ``x*cos - partner*sin`` for a pair's first lane, ``x*cos +
     partner*sin`` for its second, each product rounded (``mul_rn``). A position outside the tables (after Python
-    wrapping: ``wrapped_index``) is not read and gives NaN. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to
-    bf16 as loaded (``x`` already is)."""
+    wrapping: ``wrapped_index``) is not read and gives NaN. ``LAYER_NORM``: the rows in memory are before
+    :func:`layer_norm_rows` (``x`` is after it): the partners are normalised as loaded, by the rows' ``ln_mean`` and
+    ``ln_rstd``. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to bf16 as loaded (``x`` already is)."""
     d = tl.arange(0, 128)
     half: tl.constexpr = ROPE_DIM // 2
     lane = d < ROPE_DIM
@@ -240,6 +303,10 @@ def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, str
     cos = tl.load(cos_ptr + pos[:, None] * stride_cp + pair[None, :] * stride_cj, mask=mask, other=float("nan"))
     sin = tl.load(sin_ptr + pos[:, None] * stride_sp + pair[None, :] * stride_sj, mask=mask, other=float("nan"))
     other = tl.load(row_ptr[:, None] + partner[None, :], mask=ok[:, None] & lane[None, :], other=0.0).to(tl.float32)
+    if LAYER_NORM:
+        w = tl.load(ln_w_ptr + partner)
+        b = tl.load(ln_b_ptr + partner)
+        other = tl.fma(w[None, :], ln_rstd[:, None] * (other - ln_mean[:, None]), b[None, :])
     if ROUND_PARTNER:
         other = round_to_bf16(other)
     x = x.to(tl.float32)

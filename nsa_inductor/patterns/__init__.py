@@ -27,6 +27,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm
+    from .layer_norm_prologue import LayerNormPrologue
     from .index_checks import IndexChecks
     from .mqa.paged import PagedMqaLogits
     from .mqa.ragged import RaggedMqaLogits
@@ -43,9 +44,9 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
     wk_gate = WkGateGemm()
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
-                               wk_gate, StoreInputRounding(), PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(),
-                               EmptyLogitsBuffer(), TopkIndices(options.topk_order), SearchsortedOffset(),
-                               IndexChecks()]
+                               wk_gate, StoreInputRounding(), LayerNormPrologue(), PagedMqaLogits(), RaggedMqaLogits(),
+                               GatherKSlots(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
+                               SearchsortedOffset(), IndexChecks()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]
     if unknown:

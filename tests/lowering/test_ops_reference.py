@@ -113,6 +113,29 @@ def test_quant_cache_store_rotation_prologue_stores_eagers_rotation():
                                         round_k=True)
 
 
+def test_quant_cache_store_layer_norm_prologue_is_eagers_layer_norm():
+    """``ln_weight``/``ln_bias``/``ln_eps`` store what storing ``F.layer_norm(k, [128], w, b, eps)`` (rounded to
+    bf16) stores; the prologue needs both tensors as fp32 [128], fp32 rows and ``round_k``."""
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(9, 128, generator=gen) * 5 + 2
+    w, b = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
+    slots = torch.tensor([3, 0, 15, 7, -1, 9, 12, 1, 30])
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
+    want, got = cache.clone(), cache.clone()
+    normed = torch.nn.functional.layer_norm(k, [128], w, b, 1e-6)
+    torch.ops.nsa.quant_cache_store(normed.bfloat16(), want, slots, 16, True, "ue8m0")
+    torch.ops.nsa.quant_cache_store(k, got, slots, 16, True, "ue8m0", round_k=True, ln_weight=w, ln_bias=b,
+                                    ln_eps=1e-6)
+    assert torch.equal(got, want)
+    call = dict(round_k=True, ln_weight=w, ln_bias=b)
+    for change, message in [({"ln_bias": None}, "ln_weight and ln_bias go together"),
+                            ({"round_k": False}, "needs round_k=True"),
+                            ({"ln_weight": w[:64]}, r"ln_weight must be float32 \[128\]"),
+                            ({"ln_bias": b.double()}, r"ln_bias must be float32 \[128\]")]:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.nsa.quant_cache_store(k, got, slots, 16, True, "ue8m0", **{**call, **change})
+
+
 def test_quant_cache_store_all_padding_writes_nothing():
     cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8)
     before = cache.clone()

@@ -510,6 +510,34 @@ def test_quant_cache_store_rope_prologue_matches_reference(interleaved, rotation
 
 
 @child_only
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotation, block_t", [(None, None), (None, 16), ("hadamard", None), ("hadamard", 16)])
+def test_quant_cache_store_layer_norm_prologue_matches_reference(interleaved, rotation, block_t):
+    """The store's LayerNorm prologue before rounding, RoPE (the partners normalised as they are loaded) and
+    rotation, one token a program and in tiles: within one fp8 step of the reference in few values (the host's
+    LayerNorm sums in another order than the kernel's ATen CUDA order; bit-exactness is the GPU test's)."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(14)
+    k = (torch.randn(19, 128, generator=gen) + torch.randn(19, 1, generator=gen)) * 3
+    k[4] = 2.0  # a constant row: variance 0
+    weight, bias = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
+    slots = torch.randperm(64, generator=gen)[:19]
+    cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    matrix = None if rotation is None else hadamard_matrix(128)
+    args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
+            *_rope_case(19, 64, gen), interleaved, True, weight, bias, 1e-6)
+    reference.quant_cache_store(k, want, slots, 16, False, *args)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
+    layout = KCacheLayout(16)
+    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
+    nan = want_s.isnan()  # the rows of positions outside the tables
+    assert torch.equal(got_s.isnan(), nan) and nan.sum() == 2
+    assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-2, scales_frac=2e-2)
+
+
+@child_only
 @pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
 @pytest.mark.parametrize("rows, cols, k, splits, config", [
     (*case, config) for case in [(1, 64, 448, 4), (0, 32, 128, 2), (17, 33, 130, 3), (40, 20, 65, 4), (70, 64, 1000, 1)]

@@ -22,9 +22,16 @@ _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 @once_per_signature
 def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k) -> None:
+              rope_sin, positions, round_k, ln_weight, ln_bias) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
+    if (ln_weight is None) != (ln_bias is None):
+        raise ValueError("ln_weight and ln_bias go together (the LayerNorm prologue has both or is off)")
+    if ln_weight is not None:
+        check("ln_weight", ln_weight, (HEAD_DIM,), (torch.float32,), "[128]")
+        check("ln_bias", ln_bias, (HEAD_DIM,), (torch.float32,), "[128]")
+        if not round_k:
+            raise ValueError("the LayerNorm prologue needs round_k=True (eager rounds LayerNorm's rows to bf16)")
     if round_k:
         check("k", k, (None, HEAD_DIM), (torch.float32,), "[T, 128] (round_k rounds fp32 rows to bf16)")
     elif rotation is None:
@@ -38,7 +45,8 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
     check("slot_mapping", slot_mapping, (k.shape[0],), INT_TYPES, f"[T={k.shape[0]}] (one slot per row of k)")
     check_layout(cache, page_size, preshuffle)
     check_rope(k, rope_cos, rope_sin, positions, torch.bfloat16 if round_k else None)
-    optional = {"rotation": rotation, "rope_cos": rope_cos, "rope_sin": rope_sin, "positions": positions}
+    optional = {"rotation": rotation, "rope_cos": rope_cos, "rope_sin": rope_sin, "positions": positions,
+                "ln_weight": ln_weight, "ln_bias": ln_bias}
     check_devices(k=k, cache=cache, slot_mapping=slot_mapping,
                   **{name: t for name, t in optional.items() if t is not None})
 
@@ -61,6 +69,9 @@ def quant_cache_store(
     positions: torch.Tensor | None = None,
     rope_interleaved: bool = False,
     round_k: bool = False,
+    ln_weight: torch.Tensor | None = None,
+    ln_bias: torch.Tensor | None = None,
+    ln_eps: float = 0.0,
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
@@ -70,24 +81,25 @@ def quant_cache_store(
     order than a cuBLAS GEMM: see docs/numerics.md for the bytes that may differ. Before it all, the RoPE prologue
     (``rope_cos``, ``rope_sin``, ``positions``, ``rope_interleaved``: as ``nsa.rotate_act_quant``'s) may turn the
     first lanes of each bf16 row of ``k``; first of all, with ``round_k``, fp32 ``k`` is rounded to bf16 (eager's
-    ``.to(bf16)``, then the rows above are those bf16 rows)."""
+    ``.to(bf16)``, then the rows above are those bf16 rows), and before that, with ``ln_weight`` and ``ln_bias``,
+    ``F.layer_norm(k, [128], ln_weight, ln_bias, ln_eps)`` of fp32 ``k`` (on the GPU in ATen's CUDA order)."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k)
+              rope_sin, positions, round_k, ln_weight, ln_bias)
     if capability().index_checks:
         check_slots(eager_call, slot_mapping, cache.shape[0], page_size)
     k, slot_mapping, positions = contiguous(k, slot_mapping, positions)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
                          prologue=rotation is not None or rope_cos is not None or round_k)
     run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
-        rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k)
+        rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps)
 
 
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-      rope_interleaved=False, round_k=False):
+      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k)
+              rope_sin, positions, round_k, ln_weight, ln_bias)
 
 
 register_version_bump(quant_cache_store, mutated=1)  # the cache

@@ -18,10 +18,13 @@ from .reference import scaled_input
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False, round_k=False) -> None:
-    """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a rotation or
-    RoPE prologue goes to the Triton kernel (``capability.aiter_refusal``); here both would run in torch too. Slots
-    it must not write (out of range, earlier duplicates: docs/indices.md) are given as -1, which it skips."""
+                      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0) -> None:
+    """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a prologue
+    (rotation, RoPE, rounding, LayerNorm) goes to the Triton kernel (``capability.aiter_refusal``); here they would
+    run in torch too. Slots it must not write (out of range, earlier duplicates: docs/indices.md) are given as -1,
+    which it skips."""
+    if ln_weight is not None:
+        k = torch.nn.functional.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, ln_eps)
     slots = slot_mapping.long()
     slots = torch.where(written_slots(slots, cache.shape[0] * page_size), slots, -1)
     cache_ops().indexer_k_quant_and_cache(

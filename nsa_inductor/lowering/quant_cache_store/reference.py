@@ -12,8 +12,10 @@ from .._common import roped
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False, round_k=False) -> None:
+                      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0) -> None:
     """``act_quant`` each row of ``k'`` and write values + scale into ``cache`` at its slot (negative = skip)."""
+    if ln_weight is not None:
+        k = torch.nn.functional.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, ln_eps)
     k = roped(k.to(torch.bfloat16) if round_k else k, rope_cos, rope_sin, positions, rope_interleaved)
     k = scaled_input(k, input_scale, input_dtype, input_divide, rotation)
     values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)

@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from ...quant import fp8_max
-from .._triton_common import (cdiv, fp8_values, interpreted, no_fma, quantize_constants, quantize_rows, rope_arguments,
-                              rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_offsets, scale_rows,
-                              value_offsets)
+from .._triton_common import (cdiv, fp8_values, interpreted, layer_norm_rows, no_fma, quantize_constants, quantize_rows,
+                              rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_offsets,
+                              scale_rows, value_offsets)
 
 
 @triton.jit
@@ -37,9 +37,13 @@ def _quant_store_kernel(
     stride_cj,
     stride_sp,
     stride_sj,
+    ln_w_ptr,
+    ln_b_ptr,
+    ln_eps,
     ROPE_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     NO_FMA: tl.constexpr,
+    LAYER_NORM: tl.constexpr,
     ROUND_K: tl.constexpr,
     ROTATE: tl.constexpr,
     SPLIT_ROTATION: tl.constexpr,
@@ -61,7 +65,8 @@ def _quant_store_kernel(
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
     ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to
-    ``ROUND_TO`` ("bf16", "fp16" or ""; ``ROUND_K``: fp32 ``k`` rounded to bf16 as it is loaded), then the fp8
+    ``ROUND_TO`` ("bf16", "fp16" or ""; ``ROUND_K``: fp32 ``k`` rounded to bf16 as it is loaded, after
+    ``LAYER_NORM``: ``layer_norm_rows``), then the fp8
     values and fp32 scale of each row go to its slot (bit-identical to the torch reference without a rotation:
     ``quantize_rows``), unless the slot is outside ``[0, num_slots)`` or a later token of the store has the same
     slot (docs/indices.md: the last token writes a shared slot). Each program finds the later tokens by scanning the
@@ -73,12 +78,16 @@ def _quant_store_kernel(
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
     # rows past the last token load 1.0, not 0: tiles with rows of zeros were slower to quantize (BENCHMARKS.md)
     x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=1.0)
+    ln_mean = tl.zeros([BLOCK_T], tl.float32)
+    ln_rstd = ln_mean
+    if LAYER_NORM:
+        x, ln_mean, ln_rstd = layer_norm_rows(x, ln_w_ptr, ln_b_ptr, ln_eps, ON_GPU)
     if ROUND_K:
         x = round_to_bf16(x).to(tl.bfloat16)  # (exact: the value is a bf16 one)
     if ROPE_DIM:
         x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, t // rows_per_token, in_range, pos_ptr, n_positions,
-                      cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ROPE_DIM, INTERLEAVED, ROUND_K,
-                      NO_FMA)
+                      cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ln_mean, ln_rstd, ln_w_ptr,
+                      ln_b_ptr, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, NO_FMA)
     if ROTATE:
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
     else:
@@ -115,7 +124,8 @@ def block_tokens(num_tokens: int, rotate: bool) -> int:
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False, round_k=False, block_t: int | None = None):
+                      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0,
+                      block_t: int | None = None):
     """One launch: quantize ``k [T,128]`` (after the RoPE and rotation prologues and the input epilogue) and store
     it into ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
     tokens sharing a slot only the last writes it (both decided inside the kernel)."""
@@ -136,9 +146,13 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         rot,
         *(rot.stride() if rotation is not None else (0, 0)),
         *rope_arguments(k, num_tokens, rope_cos, rope_sin, positions),
+        k if ln_weight is None else ln_weight,  # any pointer: not read without the LayerNorm prologue
+        k if ln_bias is None else ln_bias,
+        float(ln_eps),
         ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1],
         INTERLEAVED=rope_interleaved,
         NO_FMA=no_fma(kernel),
+        LAYER_NORM=ln_weight is not None,
         ROUND_K=round_k,
         ROTATE=rotation is not None,
         SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
