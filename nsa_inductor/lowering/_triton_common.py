@@ -87,6 +87,19 @@ def round_to_bf16(x):
 
 
 @triton.jit
+def load_split_sum(ptrs, mask, other, split_stride, SPLITS: tl.constexpr):
+    """The values at ``ptrs``; with ``SPLITS``, ``ptrs`` address the first of that many fp32 split-K partials,
+    ``split_stride`` elements apart: their sum left to right (the pointwise adds ``p[0] + p[1] + ...``) rounded to
+    bf16 and kept in fp32, as a bf16 GEMM's output read back with ``.float()``."""
+    x = tl.load(ptrs, mask=mask, other=other)
+    if SPLITS:
+        for s in tl.static_range(1, SPLITS):
+            x += tl.load(ptrs + s * split_stride.to(tl.int64), mask=mask, other=other)
+        x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
 def round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr):
     """Round fp32 ``y`` (already within +-fmax) to the nearest e4m3 value, ties to even, still in fp32.
 
@@ -280,15 +293,17 @@ def layer_norm_rows(x, w_ptr, b_ptr, eps, ON_GPU: tl.constexpr):
 
 @triton.jit
 def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
-              stride_sj, ln_mean, ln_rstd, ln_w_ptr, ln_b_ptr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-              LAYER_NORM: tl.constexpr, ROUND_PARTNER: tl.constexpr, NO_FMA: tl.constexpr):
+              stride_sj, ln_mean, ln_rstd, ln_w_ptr, ln_b_ptr, split_stride, ROPE_DIM: tl.constexpr,
+              INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, ROUND_PARTNER: tl.constexpr, NO_FMA: tl.constexpr,
+              SPLITS: tl.constexpr):
     """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]``) with eager's RoPE on their first ``ROPE_DIM``
     lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when ``INTERLEAVED``, turn
     by the angle of pair i at ``positions[token]``: ``x*cos - partner*sin`` for a pair's first lane, ``x*cos +
     partner*sin`` for its second, each product rounded (``mul_rn``). A position outside the tables (after Python
     wrapping: ``wrapped_index``) is not read and gives NaN. ``LAYER_NORM``: the rows in memory are before
     :func:`layer_norm_rows` (``x`` is after it): the partners are normalised as loaded, by the rows' ``ln_mean`` and
-    ``ln_rstd``. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to bf16 as loaded (``x`` already is)."""
+    ``ln_rstd``. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to bf16 as loaded (``x`` already is).
+    ``SPLITS``: the rows in memory are split-K partials (:func:`load_split_sum`), summed as loaded."""
     d = tl.arange(0, 128)
     half: tl.constexpr = ROPE_DIM // 2
     lane = d < ROPE_DIM
@@ -302,7 +317,8 @@ def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, str
     mask = readable[:, None] & lane[None, :]
     cos = tl.load(cos_ptr + pos[:, None] * stride_cp + pair[None, :] * stride_cj, mask=mask, other=float("nan"))
     sin = tl.load(sin_ptr + pos[:, None] * stride_sp + pair[None, :] * stride_sj, mask=mask, other=float("nan"))
-    other = tl.load(row_ptr[:, None] + partner[None, :], mask=ok[:, None] & lane[None, :], other=0.0).to(tl.float32)
+    other = load_split_sum(row_ptr[:, None] + partner[None, :], ok[:, None] & lane[None, :], 0.0, split_stride,
+                           SPLITS).to(tl.float32)
     if LAYER_NORM:
         w = tl.load(ln_w_ptr + partner)
         b = tl.load(ln_b_ptr + partner)

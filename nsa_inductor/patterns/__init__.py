@@ -21,7 +21,8 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     chain then reads the fused op's scale; the logits passes run before the buffer pass, which needs to see the ``nsa``
     logits ops writing the buffer, and before ``topk_indices``, which reads their masks to bound its scan;
     ``gather_k_slots`` reads K operands of the ``nsa.mqa_logits`` the ragged pass inserts; ``wk_gate_gemm`` anchors on
-    the op ``head_gate_gemm`` inserts; ``store_input_rounding`` runs once the store's k is final;
+    the op ``head_gate_gemm`` inserts; ``store_input_rounding``, ``layer_norm_prologue`` and ``split_k_prologue`` run
+    in that order once the store's k is final (each strips a layer of what k is made of, outermost first);
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers see the graph as the user wrote
     it; ``index_checks`` (``nsa.checks`` only) last, to see every ``nsa`` op.
     """
@@ -37,6 +38,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .rope_prologue import RopePrologue
     from .rotate_act_quant import RotateActQuant
     from .searchsorted_offset import SearchsortedOffset
+    from .split_k_prologue import SplitKPrologue
     from .store_input_rounding import StoreInputRounding
     from .topk_indices import TopkIndices
     from .wk_gate_gemm import WkGateGemm
@@ -44,9 +46,9 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
     wk_gate = WkGateGemm()
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
-                               wk_gate, StoreInputRounding(), LayerNormPrologue(), PagedMqaLogits(), RaggedMqaLogits(),
-                               GatherKSlots(), EmptyLogitsBuffer(), TopkIndices(options.topk_order),
-                               SearchsortedOffset(), IndexChecks()]
+                               wk_gate, StoreInputRounding(), LayerNormPrologue(), SplitKPrologue(),
+                               PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
+                               TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]
     if unknown:

@@ -488,16 +488,21 @@ def test_quant_cache_store_rope_prologue_against_reference(interleaved, rotation
         assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-3, scales_frac=1e-2)
 
 
+@pytest.mark.parametrize("splits", [0, 16])
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_quant_cache_store_layer_norm_prologue_is_atens(tokens):
+def test_quant_cache_store_layer_norm_prologue_is_atens(tokens, splits):
     """The LayerNorm prologue normalises each row in ATen's CUDA order: the fp32 rows and so the cache bytes equal
     the reference's (``F.layer_norm`` on the GPU, then the same rounding, RoPE and quantization), rows of one token a
-    program and 16-token tiles, wide dynamic range, a constant row (variance 0)."""
+    program and 16-token tiles, wide dynamic range, a constant row (variance 0); with ``splits``, the rows are the
+    rounded sum of split-K partials (``k_split_sum``: summed in the kernel in the reference's order)."""
     gen = torch.Generator().manual_seed(9)
     scale = torch.exp(2 * torch.randn(tokens, 1, generator=gen))
     k = (torch.randn(tokens, 128, generator=gen) + torch.randn(tokens, 1, generator=gen)) * scale
     k[0] = 3.0
-    k = k.bfloat16().float().to(DEV)  # as the indexer's: wk's bf16 rows in fp32
+    k = k.bfloat16().float()  # as the indexer's: wk's bf16 rows in fp32
+    if splits:
+        k = (k[None] + torch.randn(splits, tokens, 128, generator=gen) * scale) / splits
+    k = k.to(DEV)
     weight = (1 + 0.1 * torch.randn(128, generator=gen)).to(DEV)
     bias = (0.1 * torch.randn(128, generator=gen)).to(DEV)
     layout = KCacheLayout(64)
@@ -505,7 +510,7 @@ def test_quant_cache_store_layer_norm_prologue_is_atens(tokens):
     cache = torch.randint(0, 256, (10, layout.page_bytes), dtype=torch.uint8, generator=gen).to(DEV)
     want = cache.clone()
     args = ("ue8m0", FN, 1.0, torch.bfloat16, False, None, *_rope_tables(tokens, 64, gen), True, True, weight, bias,
-            1e-6)
+            1e-6, splits > 0)
     _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, *args)
     _op_ref("quant_cache_store").quant_cache_store(k, want, slots, 64, False, *args)
     assert torch.equal(cache, want)

@@ -136,6 +136,35 @@ def test_quant_cache_store_layer_norm_prologue_is_eagers_layer_norm():
             torch.ops.nsa.quant_cache_store(k, got, slots, 16, True, "ue8m0", **{**call, **change})
 
 
+def test_quant_cache_store_split_k_sum_is_the_rounded_sum():
+    """``k_split_sum`` stores what storing the partials' left-to-right sum rounded to bf16 stores (with and without
+    the LayerNorm prologue, one partial too); it needs fp32 [S, T, 128] partials, S >= 1, and ``round_k``."""
+    gen = torch.Generator().manual_seed(8)
+    w, b = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
+    slots = torch.tensor([3, 0, 15, 7, -1, 9, 12, 1, 30])
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=gen)
+    for splits in (3, 1):
+        p = torch.randn(splits, 9, 128, generator=gen) * 4 + 1
+        total = p[0]
+        for partial in p[1:]:
+            total = total + partial
+        for ln in ({}, {"ln_weight": w, "ln_bias": b, "ln_eps": 1e-6}):
+            want, got = cache.clone(), cache.clone()
+            torch.ops.nsa.quant_cache_store(total.bfloat16().float(), want, slots, 16, True, "ue8m0", round_k=True,
+                                            **ln)
+            torch.ops.nsa.quant_cache_store(p, got, slots, 16, True, "ue8m0", round_k=True, k_split_sum=True, **ln)
+            assert torch.equal(got, want)
+    assert not torch.equal(got, cache)
+    for k, change, message in [(p[0], {}, r"k must be float32 \[S, T, 128\]"),
+                               (p.bfloat16(), {}, r"k must be float32 \[S, T, 128\]"),
+                               (p[:0], {}, "at least one split-K partial"),
+                               (p, {"round_k": False}, "k_split_sum needs round_k=True"),
+                               (p[:, :4], {}, r"slot_mapping must be .*\[T=4\]")]:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.nsa.quant_cache_store(k, cache, slots, 16, True, "ue8m0", **{"round_k": True,
+                                            "k_split_sum": True, **change})
+
+
 def test_quant_cache_store_all_padding_writes_nothing():
     cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8)
     before = cache.clone()

@@ -538,6 +538,42 @@ def test_quant_cache_store_layer_norm_prologue_matches_reference(interleaved, ro
 
 
 @child_only
+@pytest.mark.parametrize("block_t", [None, 16])
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_quant_cache_store_split_k_sum_matches_reference(layer_norm, block_t):
+    """``k_split_sum``: the kernel sums 3 fp32 partials left to right and rounds to bf16 before the LayerNorm, RoPE
+    (the partners summed as loaded) and rotation prologues; without the LayerNorm and rotation the bytes equal the
+    reference's, with them within one fp8 step in few values (the host's LayerNorm and GEMM order)."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(15)
+    k = (torch.randn(3, 19, 128, generator=gen) + torch.randn(1, 19, 1, generator=gen)) * 3
+    weight, bias = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
+    slots = torch.randperm(64, generator=gen)[:19]
+    cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    matrix = hadamard_matrix(128) if layer_norm else None
+    ln = (weight, bias, 1e-6) if layer_norm else (None, None, 0.0)
+    args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
+            *_rope_case(19, 64, gen), False, True, *ln, True)
+    reference.quant_cache_store(k, want, slots, 16, False, *args)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
+    layout = KCacheLayout(16)
+    untouched = torch.ones(cache.numel(), dtype=torch.bool)
+    untouched[layout.value_offsets(slots).flatten()] = False
+    untouched[layout.scale_offsets(slots).flatten()] = False
+    assert torch.equal(cache.view(-1)[untouched], want.view(-1)[untouched])
+    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
+    nan = want_s.isnan()  # the rows of positions outside the tables
+    assert torch.equal(got_s.isnan(), nan) and nan.sum() == 2
+    if layer_norm:
+        assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-2, scales_frac=2e-2)
+    else:
+        assert torch.equal(got_v[~nan].view(torch.uint8), want_v[~nan].view(torch.uint8))
+        assert torch.equal(got_s[~nan], want_s[~nan])
+
+
+@child_only
 @pytest.mark.parametrize("mode", sorted(WEIGHT_MODES))
 @pytest.mark.parametrize("rows, cols, k, splits, config", [
     (*case, config) for case in [(1, 64, 448, 4), (0, 32, 128, 2), (17, 33, 130, 3), (40, 20, 65, 4), (70, 64, 1000, 1)]

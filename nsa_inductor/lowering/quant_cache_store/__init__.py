@@ -22,7 +22,7 @@ _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 @once_per_signature
 def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k, ln_weight, ln_bias) -> None:
+              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
     if (ln_weight is None) != (ln_bias is None):
@@ -32,7 +32,14 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
         check("ln_bias", ln_bias, (HEAD_DIM,), (torch.float32,), "[128]")
         if not round_k:
             raise ValueError("the LayerNorm prologue needs round_k=True (eager rounds LayerNorm's rows to bf16)")
-    if round_k:
+    if k_split_sum:
+        check("k", k, (None, None, HEAD_DIM), (torch.float32,), "[S, T, 128] (k_split_sum: fp32 split-K partials)")
+        if k.shape[0] < 1:
+            raise ValueError("k_split_sum needs at least one split-K partial, got k of shape [0, ...]")
+        if not round_k:
+            raise ValueError("k_split_sum needs round_k=True (the summed rows are bf16 values, rounded for the cache)")
+        k = k[0]  # the rows' shape, for the checks below
+    elif round_k:
         check("k", k, (None, HEAD_DIM), (torch.float32,), "[T, 128] (round_k rounds fp32 rows to bf16)")
     elif rotation is None:
         check("k", k, (None, HEAD_DIM), _K_DTYPES, "[T, 128]")
@@ -72,6 +79,7 @@ def quant_cache_store(
     ln_weight: torch.Tensor | None = None,
     ln_bias: torch.Tensor | None = None,
     ln_eps: float = 0.0,
+    k_split_sum: bool = False,
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
@@ -82,24 +90,26 @@ def quant_cache_store(
     (``rope_cos``, ``rope_sin``, ``positions``, ``rope_interleaved``: as ``nsa.rotate_act_quant``'s) may turn the
     first lanes of each bf16 row of ``k``; first of all, with ``round_k``, fp32 ``k`` is rounded to bf16 (eager's
     ``.to(bf16)``, then the rows above are those bf16 rows), and before that, with ``ln_weight`` and ``ln_bias``,
-    ``F.layer_norm(k, [128], ln_weight, ln_bias, ln_eps)`` of fp32 ``k`` (on the GPU in ATen's CUDA order)."""
+    ``F.layer_norm(k, [128], ln_weight, ln_bias, ln_eps)`` of fp32 ``k`` (on the GPU in ATen's CUDA order); and
+    before everything, with ``k_split_sum``, ``k`` is ``[S, T, 128]`` fp32 split-K partials of a bf16 GEMM: the rows
+    are ``k[0] + k[1] + ... + k[S-1]`` (left to right) rounded to bf16, as the GEMM's output read with ``.float()``."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k, ln_weight, ln_bias)
+              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
     if capability().index_checks:
         check_slots(eager_call, slot_mapping, cache.shape[0], page_size)
     k, slot_mapping, positions = contiguous(k, slot_mapping, positions)
     run = implementation("quant_cache_store", k.device, fp8_dtype, page_size=page_size, preshuffle=preshuffle,
                          prologue=rotation is not None or rope_cos is not None or round_k)
     run(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
-        rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps)
+        rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps, k_split_sum)
 
 
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0):
+      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0, k_split_sum=False):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k, ln_weight, ln_bias)
+              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
 
 
 register_version_bump(quant_cache_store, mutated=1)  # the cache

@@ -13,16 +13,19 @@ from ...layout import written_slots
 from ...quant import QUANT_BLOCK
 from .._aiter_common import cache_ops, kv_cache, preshuffle_kwarg
 from .._common import roped
-from .reference import scaled_input
+from .reference import scaled_input, split_sum
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-                      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0) -> None:
+                      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0,
+                      k_split_sum=False) -> None:
     """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a prologue
-    (rotation, RoPE, rounding, LayerNorm) goes to the Triton kernel (``capability.aiter_refusal``); here they would
-    run in torch too. Slots it must not write (out of range, earlier duplicates: docs/indices.md) are given as -1,
-    which it skips."""
+    (rotation, RoPE, rounding, LayerNorm, split-K sum) goes to the Triton kernel (``capability.aiter_refusal``); here
+    they would run in torch too. Slots it must not write (out of range, earlier duplicates: docs/indices.md) are given
+    as -1, which it skips."""
+    if k_split_sum:
+        k = split_sum(k)
     if ln_weight is not None:
         k = torch.nn.functional.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, ln_eps)
     slots = slot_mapping.long()

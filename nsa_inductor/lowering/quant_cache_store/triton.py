@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from ...quant import fp8_max
-from .._triton_common import (cdiv, fp8_values, interpreted, layer_norm_rows, no_fma, quantize_constants, quantize_rows,
-                              rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_offsets,
-                              scale_rows, value_offsets)
+from .._triton_common import (cdiv, fp8_values, interpreted, layer_norm_rows, load_split_sum, no_fma,
+                              quantize_constants, quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16,
+                              scale_constants, scale_offsets, scale_rows, value_offsets)
 
 
 @triton.jit
@@ -40,6 +40,8 @@ def _quant_store_kernel(
     ln_w_ptr,
     ln_b_ptr,
     ln_eps,
+    split_stride,
+    SPLITS: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     NO_FMA: tl.constexpr,
@@ -66,7 +68,8 @@ def _quant_store_kernel(
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
     ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to
     ``ROUND_TO`` ("bf16", "fp16" or ""; ``ROUND_K``: fp32 ``k`` rounded to bf16 as it is loaded, after
-    ``LAYER_NORM``: ``layer_norm_rows``), then the fp8
+    ``LAYER_NORM``: ``layer_norm_rows``; before all, with ``SPLITS``, ``k`` is the split-K partials of the rows:
+    ``load_split_sum``), then the fp8
     values and fp32 scale of each row go to its slot (bit-identical to the torch reference without a rotation:
     ``quantize_rows``), unless the slot is outside ``[0, num_slots)`` or a later token of the store has the same
     slot (docs/indices.md: the last token writes a shared slot). Each program finds the later tokens by scanning the
@@ -77,7 +80,8 @@ def _quant_store_kernel(
     in_range = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
     # rows past the last token load 1.0, not 0: tiles with rows of zeros were slower to quantize (BENCHMARKS.md)
-    x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=in_range[:, None], other=1.0)
+    x = load_split_sum(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], in_range[:, None], 1.0, split_stride,
+                       SPLITS)
     ln_mean = tl.zeros([BLOCK_T], tl.float32)
     ln_rstd = ln_mean
     if LAYER_NORM:
@@ -87,7 +91,7 @@ def _quant_store_kernel(
     if ROPE_DIM:
         x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, t // rows_per_token, in_range, pos_ptr, n_positions,
                       cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ln_mean, ln_rstd, ln_w_ptr,
-                      ln_b_ptr, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, NO_FMA)
+                      ln_b_ptr, split_stride, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, NO_FMA, SPLITS)
     if ROTATE:
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
     else:
@@ -125,11 +129,12 @@ def block_tokens(num_tokens: int, rotate: bool) -> int:
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
                       rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                      block_t: int | None = None):
-    """One launch: quantize ``k [T,128]`` (after the RoPE and rotation prologues and the input epilogue) and store
-    it into ``cache`` at ``slot_mapping``; a slot outside ``[0, num_slots)`` (negative = padding) writes nothing, and of
-    tokens sharing a slot only the last writes it (both decided inside the kernel)."""
-    num_tokens = k.shape[0]
+                      k_split_sum=False, block_t: int | None = None):
+    """One launch: quantize ``k [T,128]`` (``[S, T, 128]`` split-K partials with ``k_split_sum``; after the RoPE and
+    rotation prologues and the input epilogue) and store it into ``cache`` at ``slot_mapping``; a slot outside ``[0,
+    num_slots)`` (negative = padding) writes nothing, and of tokens sharing a slot only the last writes it (both
+    decided inside the kernel)."""
+    num_tokens = k.shape[-2]
     if num_tokens == 0:
         return
     block_t = block_t or block_tokens(num_tokens, rotation is not None)
@@ -137,7 +142,7 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
     kernel = _quant_store_kernel
     kernel[(cdiv(num_tokens, block_t),)](
         k,
-        k.stride(0),
+        k.stride(-2),
         slot_mapping,
         cache.view(fp8_dtype),
         cache.view(torch.float32),
@@ -149,6 +154,8 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         k if ln_weight is None else ln_weight,  # any pointer: not read without the LayerNorm prologue
         k if ln_bias is None else ln_bias,
         float(ln_eps),
+        k.stride(0),
+        SPLITS=k.shape[0] if k_split_sum else 0,
         ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1],
         INTERLEAVED=rope_interleaved,
         NO_FMA=no_fma(kernel),

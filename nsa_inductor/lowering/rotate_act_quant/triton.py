@@ -30,8 +30,8 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
     x = tl.load(x_ptr + offsets, mask=in_range[:, None], other=1.0)  # not 0: `_quant_store_kernel`'s note
     if ROPE_DIM:
         x = rope_rows(x, x_ptr + r.to(tl.int64) * 128, r // rows_per_token, in_range, pos_ptr, n_positions, cos_ptr,
-                      sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, 0.0, 0.0, cos_ptr, cos_ptr, ROPE_DIM,
-                      INTERLEAVED, False, False, NO_FMA)
+                      sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, 0.0, 0.0, cos_ptr, cos_ptr, 0, ROPE_DIM,
+                      INTERLEAVED, False, False, NO_FMA, 0)
     y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
     y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
     groups: tl.constexpr = 128 // QUANT_BLOCK
