@@ -22,6 +22,19 @@ def compile_with_dumps(fn, options: dict | None = None, dynamic: bool | None = N
     return compiled, dump_dir
 
 
+def store_pass_graph(fn, x, cache, slots) -> pathlib.Path:
+    """Runs ``fn(x, cache, slots)`` (a K store into a paged cache of 16-token pages) eagerly on a copy of ``cache``
+    and compiled with static shapes on ``cache`` itself; the two caches must be equal byte for byte. Returns the one
+    graph's dump directory."""
+    want = cache.clone()
+    fn(x, want, slots)
+    compiled, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
+    compiled(x, cache, slots)
+    assert torch.equal(cache, want), "compiled store differs from eager"
+    (graph,) = graph_dirs(dump_dir)
+    return graph
+
+
 def graph_dirs(dump_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in dump_dir.iterdir() if p.is_dir())
 

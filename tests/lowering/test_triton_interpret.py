@@ -451,6 +451,26 @@ def _rope_case(tokens: int, rope_dim: int, gen) -> tuple:
     return table[:, 0], table[:, 1], positions
 
 
+def _store_rows_against_reference(k, cache, slots, args, block_t):
+    """The store kernel on ``cache`` and the reference on a copy, both with ``args`` after the page size and layout
+    (16-token pages): no byte outside the written slots changes; returns ``(got, want, nan)``, the stored rows (fp8
+    values, scales) of each and the two rows whose positions fall outside the tables (``_rope_case``)."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, 16, False, *args)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
+    layout = KCacheLayout(16)
+    untouched = torch.ones(cache.numel(), dtype=torch.bool)
+    untouched[layout.value_offsets(slots).flatten()] = False
+    untouched[layout.scale_offsets(slots).flatten()] = False
+    assert torch.equal(cache.view(-1)[untouched], want.view(-1)[untouched])
+    got, want = layout.load(cache, slots, FN), layout.load(want, slots, FN)
+    nan = want[1].isnan()
+    assert torch.equal(got[1].isnan(), nan) and nan.sum() == 2
+    return got, want, nan
+
+
 @child_only
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rope_dim", [64, 128, 2])
@@ -481,27 +501,16 @@ def test_quant_cache_store_rope_prologue_matches_reference(interleaved, rotation
     """The store's RoPE prologue, alone or before a rotation, on bf16 rows or fp32 rows it rounds first
     (``round_k``): bytes equal to the reference's where every sum is exact (no rotation, the identity); within the
     rotation's contract with a Hadamard."""
-    from nsa_inductor.lowering.quant_cache_store import reference
-
     gen = torch.Generator().manual_seed(13)
     k = torch.randn(19, 128, generator=gen) * 3
     k = k if round_k else k.bfloat16()
     slots = torch.randperm(64, generator=gen)[:19]
     cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
-    want = cache.clone()
     matrix = {None: None, "identity": torch.eye(128), "hadamard32": hadamard_matrix(128)}[rotation]
     args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
             *_rope_case(19, 64, gen), interleaved, round_k)
-    reference.quant_cache_store(k, want, slots, 16, False, *args)
-    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
-    layout = KCacheLayout(16)
-    untouched = torch.ones(cache.numel(), dtype=torch.bool)
-    untouched[layout.value_offsets(slots).flatten()] = False
-    untouched[layout.scale_offsets(slots).flatten()] = False
-    assert torch.equal(cache.view(-1)[untouched], want.view(-1)[untouched])
-    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
-    nan = want_s.isnan()  # the rows of positions outside the tables
-    assert torch.equal(got_s.isnan(), nan) and nan.sum() == 2 and got_v[nan].float().isnan().all()
+    (got_v, got_s), (want_v, want_s), nan = _store_rows_against_reference(k, cache, slots, args, block_t)
+    assert got_v[nan].float().isnan().all()
     if rotation == "hadamard32":
         assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-2, scales_frac=2e-2)
     else:
@@ -516,24 +525,16 @@ def test_quant_cache_store_layer_norm_prologue_matches_reference(interleaved, ro
     """The store's LayerNorm prologue before rounding, RoPE (the partners normalised as they are loaded) and
     rotation, one token a program and in tiles: within one fp8 step of the reference in few values (the host's
     LayerNorm sums in another order than the kernel's ATen CUDA order; bit-exactness is the GPU test's)."""
-    from nsa_inductor.lowering.quant_cache_store import reference
-
     gen = torch.Generator().manual_seed(14)
     k = (torch.randn(19, 128, generator=gen) + torch.randn(19, 1, generator=gen)) * 3
     k[4] = 2.0  # a constant row: variance 0
     weight, bias = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
     slots = torch.randperm(64, generator=gen)[:19]
     cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
-    want = cache.clone()
     matrix = None if rotation is None else hadamard_matrix(128)
     args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
             *_rope_case(19, 64, gen), interleaved, True, weight, bias, 1e-6)
-    reference.quant_cache_store(k, want, slots, 16, False, *args)
-    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
-    layout = KCacheLayout(16)
-    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
-    nan = want_s.isnan()  # the rows of positions outside the tables
-    assert torch.equal(got_s.isnan(), nan) and nan.sum() == 2
+    (got_v, got_s), (want_v, want_s), nan = _store_rows_against_reference(k, cache, slots, args, block_t)
     assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-2, scales_frac=2e-2)
 
 
@@ -544,28 +545,16 @@ def test_quant_cache_store_split_k_sum_matches_reference(layer_norm, block_t):
     """``k_split_sum``: the kernel sums 3 fp32 partials left to right and rounds to bf16 before the LayerNorm, RoPE
     (the partners summed as loaded) and rotation prologues; without the LayerNorm and rotation the bytes equal the
     reference's, with them within one fp8 step in few values (the host's LayerNorm and GEMM order)."""
-    from nsa_inductor.lowering.quant_cache_store import reference
-
     gen = torch.Generator().manual_seed(15)
     k = (torch.randn(3, 19, 128, generator=gen) + torch.randn(1, 19, 1, generator=gen)) * 3
     weight, bias = 1 + 0.1 * torch.randn(128, generator=gen), 0.1 * torch.randn(128, generator=gen)
     slots = torch.randperm(64, generator=gen)[:19]
     cache = torch.randint(0, 256, (4, 16 * 132), dtype=torch.uint8, generator=gen)
-    want = cache.clone()
     matrix = hadamard_matrix(128) if layer_norm else None
     ln = (weight, bias, 1e-6) if layer_norm else (None, None, 0.0)
     args = ("ue8m0", FN, 1.0 if matrix is None else 128**-0.5, torch.bfloat16, False, matrix,
             *_rope_case(19, 64, gen), False, True, *ln, True)
-    reference.quant_cache_store(k, want, slots, 16, False, *args)
-    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, *args, block_t=block_t)
-    layout = KCacheLayout(16)
-    untouched = torch.ones(cache.numel(), dtype=torch.bool)
-    untouched[layout.value_offsets(slots).flatten()] = False
-    untouched[layout.scale_offsets(slots).flatten()] = False
-    assert torch.equal(cache.view(-1)[untouched], want.view(-1)[untouched])
-    (got_v, got_s), (want_v, want_s) = layout.load(cache, slots, FN), layout.load(want, slots, FN)
-    nan = want_s.isnan()  # the rows of positions outside the tables
-    assert torch.equal(got_s.isnan(), nan) and nan.sum() == 2
+    (got_v, got_s), (want_v, want_s), nan = _store_rows_against_reference(k, cache, slots, args, block_t)
     if layer_norm:
         assert_fp8_close((got_v[~nan], got_s[~nan]), (want_v[~nan], want_s[~nan]), values_frac=1e-2, scales_frac=2e-2)
     else:

@@ -8,7 +8,7 @@ import torch
 
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.quant import act_quant
-from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.pass_helpers import count_ops, pass_entry, pass_graphs, store_pass_graph
 
 FN = torch.float8_e4m3fn
 LAYOUT = KCacheLayout(16)
@@ -71,14 +71,7 @@ def inputs(splits: int, tokens: int):
 
 
 def run(fn, splits, tokens):
-    p, cache, slots = inputs(splits, tokens)
-    want = cache.clone()
-    fn(p, want, slots)
-    compiled, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
-    compiled(p, cache, slots)
-    assert torch.equal(cache, want), "compiled store differs from eager"
-    (graph,) = graph_dirs(dump_dir)
-    return graph
+    return store_pass_graph(fn, *inputs(splits, tokens))
 
 
 @pytest.mark.parametrize("fn", [summed_then_normed, summed])

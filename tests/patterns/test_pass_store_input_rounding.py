@@ -7,7 +7,7 @@ import torch
 
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.quant import act_quant
-from helpers.pass_helpers import compile_with_dumps, count_ops, graph_dirs, pass_entry, pass_graphs
+from helpers.pass_helpers import count_ops, pass_entry, pass_graphs, store_pass_graph
 
 FN = torch.float8_e4m3fn
 LAYOUT = KCacheLayout(16)
@@ -48,14 +48,7 @@ def inputs(tokens: int, dtype=torch.float32):
 
 
 def run(fn, tokens, dtype=torch.float32):
-    y, cache, slots = inputs(tokens, dtype)
-    want = cache.clone()
-    fn(y, want, slots)
-    compiled, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
-    compiled(y, cache, slots)
-    assert torch.equal(cache, want), "compiled store differs from eager"
-    (graph,) = graph_dirs(dump_dir)
-    return graph
+    return store_pass_graph(fn, *inputs(tokens, dtype))
 
 
 @pytest.mark.parametrize("tokens", [5, 1])
