@@ -69,12 +69,11 @@ def _quant_store_kernel(
     ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to
     ``ROUND_TO`` ("bf16", "fp16" or ""; ``ROUND_K``: fp32 ``k`` rounded to bf16 as it is loaded, after
     ``LAYER_NORM``: ``layer_norm_rows``; before all, with ``SPLITS``, ``k`` is the split-K partials of the rows:
-    ``load_split_sum``), then the fp8
-    values and fp32 scale of each row go to its slot (bit-identical to the torch reference without a rotation:
-    ``quantize_rows``), unless the slot is outside ``[0, num_slots)`` or a later token of the store has the same
-    slot (docs/indices.md: the last token writes a shared slot). Each program finds the later tokens by scanning the
-    slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a few KB in decode, read from L2
-    by every program)."""
+    ``load_split_sum``), then the fp8 values and fp32 scale of each row go to its slot (bit-identical to the torch
+    reference without a rotation: ``quantize_rows``), unless the slot is outside ``[0, num_slots)`` or a later token
+    of the store has the same slot (docs/indices.md: the last token writes a shared slot). Each program finds the
+    later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a few
+    KB in decode, read from L2 by every program)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens
