@@ -25,13 +25,14 @@ from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import aten, describe, is_op, is_store, live_users, prims, val
 
 
-def _read_back_bf16(node: torch.fx.Node) -> torch.fx.Node | None:
-    """``y`` of ``convert(convert(y, bf16), f32)``, else None."""
-    if is_op(node, prims.convert_element_type.default) and val(node).dtype == torch.float32:
-        inner = node.args[0]
-        if is_op(inner, prims.convert_element_type.default) and val(inner).dtype == torch.bfloat16:
-            return inner.args[0]
-    return None
+def _read_back_bf16(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The casts of ``convert(bf16 value, f32)``: ``[node]``, or ``[node, inner]`` where the bf16 value is itself
+    ``inner = convert(y, bf16)``; ``[]`` where ``node`` is not a bf16 value read back as float32."""
+    if not (is_op(node, prims.convert_element_type.default) and val(node).dtype == torch.float32
+            and val(node.args[0]).dtype == torch.bfloat16):
+        return []
+    inner = node.args[0]
+    return [node, inner] if is_op(inner, prims.convert_element_type.default) else [node]
 
 
 def _split_sum(total: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
@@ -71,12 +72,10 @@ class SplitKPrologue(GraphPass):
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext) -> torch.fx.Node:
         k = anchor.kwargs["k"]
-        total = _read_back_bf16(k)
-        casts = [] if total is None else [k, k.args[0]]
-        if total is None:
-            if anchor.kwargs.get("ln_weight") is not None:
-                raise NearMiss(f"the store's LayerNorm reads {describe(k)}, not a bf16 value read back as float32")
-            total = k
+        casts = _read_back_bf16(k)
+        if not casts and anchor.kwargs.get("ln_weight") is not None:
+            raise NearMiss(f"the store's LayerNorm reads {describe(k)}, not a bf16 value read back as float32")
+        total = casts[-1].args[0] if casts else k  # (one cast: the bf16 value itself, e.g. cuBLAS's GEMM output)
         partials, nodes = _split_sum(total)
         chain = set(casts + nodes)
         for node in chain:

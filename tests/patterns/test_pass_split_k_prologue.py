@@ -15,6 +15,7 @@ LAYOUT = KCacheLayout(16)
 GEN = torch.Generator().manual_seed(6)
 WEIGHT = 1 + 0.1 * torch.randn(128, generator=GEN)
 BIAS = 0.1 * torch.randn(128, generator=GEN)
+PROJECTION = torch.randn(128, 128, generator=GEN).bfloat16()
 
 
 def _store(k, cache, slots):
@@ -53,6 +54,10 @@ def summed_by_a_reduction(p, cache, slots):
     _store(_normed(p.sum(0).to(torch.bfloat16).float()), cache, slots)
 
 
+def projected_by_a_bf16_gemm(p, cache, slots):  # as prefill, where wk_gate_gemm leaves cuBLAS's wk
+    _store(_normed((p[0].bfloat16() @ PROJECTION).float()), cache, slots)
+
+
 def normed_before_rounding(p, cache, slots):
     _store(_normed(_left_to_right(p)), cache, slots)
 
@@ -88,6 +93,7 @@ def test_the_split_k_sum_moves_into_the_store(fn, splits, tokens):
     (summed_over_some_splits, "adds splits [0, 1] of"),
     (summed_right_to_left, "not a split-K partial"),
     (summed_by_a_reduction, "is not a sum of split-K partials"),
+    (projected_by_a_bf16_gemm, "is not a sum of split-K partials"),
     (normed_before_rounding, "LayerNorm reads"),
     (summed_and_returned, "also read by"),
 ])
