@@ -22,14 +22,14 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import aten, describe, is_op, is_store, live_users, prims, val
+from .fx_utils import as_int, aten, describe, is_op, is_store, live_users, prims, val
 
 
 def _read_back_bf16(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The casts of ``convert(bf16 value, f32)``: ``[node]``, or ``[node, inner]`` where the bf16 value is itself
     ``inner = convert(y, bf16)``; ``[]`` where ``node`` is not a bf16 value read back as float32."""
     if not (is_op(node, prims.convert_element_type.default) and val(node).dtype == torch.float32
-            and val(node.args[0]).dtype == torch.bfloat16):
+            and isinstance(node.args[0], torch.fx.Node) and val(node.args[0]).dtype == torch.bfloat16):
         return []
     inner = node.args[0]
     return [node, inner] if is_op(inner, prims.convert_element_type.default) else [node]
@@ -54,7 +54,9 @@ def _split_sum(total: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]
     if any(n.args[0] is not partials for n in nodes if is_op(n, aten.select.int)):
         raise NearMiss(f"the sum at {describe(total)} adds partials of more than one tensor")
     p = val(partials)
-    if splits[::-1] != list(range(1, p.shape[0])):
+    if as_int(p.shape[0]) is None:
+        raise NearMiss(f"the partials {describe(partials)} have a symbolic count {p.shape[0]}")
+    if splits[::-1] != list(range(1, as_int(p.shape[0]))):
         raise NearMiss(f"the sum at {describe(total)} adds splits {[0, *splits[::-1]]} of {describe(partials)}, not "
                        f"all of them left to right")
     if p.dtype != torch.float32 or p.dim() != 3:
