@@ -238,6 +238,15 @@ def _halves(x):
 
 
 @triton.jit
+def _welford_update(mean, m2, v, inv_n):
+    """ATen's ``cuWelfordOnlineSum`` step with value ``v`` as the n-th (``inv_n = 1/n``): ``delta * (1/n)`` and the
+    m2 product fused into FMAs, as nvcc compiles it."""
+    delta = v - mean
+    mean = tl.fma(delta, inv_n, mean)
+    return mean, tl.fma(delta, v - mean, m2)
+
+
+@triton.jit
 def _welford_combine(own_mean, own_m2, own_n, other_mean, other_m2, other_n):
     """ATen's ``cuWelfordCombine(own, other)`` (``1/n`` then products, nvcc's FMA contractions; counts > 0)."""
     delta = own_mean - other_mean
@@ -261,18 +270,10 @@ def layer_norm_rows(x, w_ptr, b_ptr, eps, ON_GPU: tl.constexpr):
     v0, v2 = tl.split(even)
     v1, v3 = tl.split(odd)
     zero = tl.zeros([rows, 32], tl.float32)
-    delta = v0 - zero
-    mean = tl.fma(delta, 1.0, zero)
-    m2 = tl.fma(delta, v0 - mean, zero)
-    delta = v1 - mean
-    mean = tl.fma(delta, 0.5, mean)
-    m2 = tl.fma(delta, v1 - mean, m2)
-    delta = v2 - mean
-    mean = tl.fma(delta, 1.0 / 3.0, mean)
-    m2 = tl.fma(delta, v2 - mean, m2)
-    delta = v3 - mean
-    mean = tl.fma(delta, 0.25, mean)
-    m2 = tl.fma(delta, v3 - mean, m2)
+    mean, m2 = _welford_update(zero, zero, v0, 1.0)
+    mean, m2 = _welford_update(mean, m2, v1, 0.5)
+    mean, m2 = _welford_update(mean, m2, v2, 1.0 / 3.0)
+    mean, m2 = _welford_update(mean, m2, v3, 0.25)
     n = zero + 4.0
     for _ in tl.static_range(5):  # shfl_down by 16, 8, 4, 2, 1: lane i takes lane i + offset's
         own_mean, other_mean = _halves(mean)
@@ -286,9 +287,14 @@ def layer_norm_rows(x, w_ptr, b_ptr, eps, ON_GPU: tl.constexpr):
     else:
         rstd = 1.0 / tl.sqrt(var + eps)
     d = tl.arange(0, 128)
-    w = tl.load(w_ptr + d)
-    b = tl.load(b_ptr + d)
-    return tl.fma(w[None, :], rstd[:, None] * (x - mean[:, None]), b[None, :]), mean, rstd
+    return normalized(x, mean, rstd, tl.load(w_ptr + d), tl.load(b_ptr + d)), mean, rstd
+
+
+@triton.jit
+def normalized(x, mean, rstd, w, b):
+    """LayerNorm's last step for rows ``x [BLOCK, 128]`` with per-row ``mean``, ``rstd`` and per-lane ``w``, ``b``:
+    ``w * (rstd * (x - mean)) + b`` as one FMA, ATen's order."""
+    return tl.fma(w[None, :], rstd[:, None] * (x - mean[:, None]), b[None, :])
 
 
 @triton.jit
@@ -320,9 +326,7 @@ def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, str
     other = load_split_sum(row_ptr[:, None] + partner[None, :], ok[:, None] & lane[None, :], 0.0, split_stride,
                            SPLITS).to(tl.float32)
     if LAYER_NORM:
-        w = tl.load(ln_w_ptr + partner)
-        b = tl.load(ln_b_ptr + partner)
-        other = tl.fma(w[None, :], ln_rstd[:, None] * (other - ln_mean[:, None]), b[None, :])
+        other = normalized(other, ln_mean, ln_rstd, tl.load(ln_w_ptr + partner), tl.load(ln_b_ptr + partner))
     if ROUND_PARTNER:
         other = round_to_bf16(other)
     x = x.to(tl.float32)

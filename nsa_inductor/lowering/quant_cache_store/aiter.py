@@ -12,8 +12,7 @@ import torch
 from ...layout import written_slots
 from ...quant import QUANT_BLOCK
 from .._aiter_common import cache_ops, kv_cache, preshuffle_kwarg
-from .._common import roped
-from .reference import scaled_input, split_sum
+from .reference import prologue_rows, scaled_input
 
 
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
@@ -24,15 +23,11 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
     (rotation, RoPE, rounding, LayerNorm, split-K sum) goes to the Triton kernel (``capability.aiter_refusal``); here
     they would run in torch too. Slots it must not write (out of range, earlier duplicates: docs/indices.md) are given
     as -1, which it skips."""
-    if k_split_sum:
-        k = split_sum(k)
-    if ln_weight is not None:
-        k = torch.nn.functional.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, ln_eps)
+    k = prologue_rows(k, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps,
+                      k_split_sum)
     slots = slot_mapping.long()
     slots = torch.where(written_slots(slots, cache.shape[0] * page_size), slots, -1)
     cache_ops().indexer_k_quant_and_cache(
-        scaled_input(roped(k.to(torch.bfloat16) if round_k else k, rope_cos, rope_sin, positions, rope_interleaved),
-                     input_scale, input_dtype, input_divide, rotation), kv_cache(cache, page_size, fp8_dtype),
-        slots,
+        scaled_input(k, input_scale, input_dtype, input_divide, rotation), kv_cache(cache, page_size, fp8_dtype), slots,
         QUANT_BLOCK, scale_fmt, **preshuffle_kwarg(preshuffle),
     )

@@ -15,14 +15,21 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
                       rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0,
                       k_split_sum=False) -> None:
     """``act_quant`` each row of ``k'`` and write values + scale into ``cache`` at its slot (negative = skip)."""
+    k = prologue_rows(k, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps,
+                      k_split_sum)
+    k = scaled_input(k, input_scale, input_dtype, input_divide, rotation)
+    values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
+    KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))
+
+
+def prologue_rows(k, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps,
+                  k_split_sum) -> torch.Tensor:
+    """The rows after the prologues, in the op's order: the split-K sum, LayerNorm, bf16 rounding, RoPE."""
     if k_split_sum:
         k = split_sum(k)
     if ln_weight is not None:
         k = torch.nn.functional.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, ln_eps)
-    k = roped(k.to(torch.bfloat16) if round_k else k, rope_cos, rope_sin, positions, rope_interleaved)
-    k = scaled_input(k, input_scale, input_dtype, input_divide, rotation)
-    values, scale = act_quant(k, QUANT_BLOCK, scale_fmt, fp8_dtype)
-    KCacheLayout(page_size, preshuffle).store(cache, slot_mapping, values, scale.reshape(-1))
+    return roped(k.to(torch.bfloat16) if round_k else k, rope_cos, rope_sin, positions, rope_interleaved)
 
 
 def split_sum(partials: torch.Tensor) -> torch.Tensor:
