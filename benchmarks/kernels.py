@@ -394,8 +394,9 @@ def bench_host(args, rows: list[dict]) -> None:
 
 
 def _custom_op_floor(rows: list[dict]) -> None:
-    """What ``torch.library.custom_op`` dispatch alone costs: two ops whose bodies do nothing, shaped like the nsa
-    ops (a mutating one with nine arguments, like ``quant_cache_store``)."""
+    """What dispatch alone costs: ops whose bodies do nothing, shaped like the nsa ops (a mutating one with nine
+    arguments, like ``quant_cache_store``), as ``torch.library.custom_op`` registers them and as a plain dispatcher
+    kernel (``nsa_op``, how the nsa ops are registered)."""
     lib = "nsa_bench"
     if not hasattr(torch.ops, lib) or not hasattr(getattr(torch.ops, lib), "noop"):
         out = torch.empty(1, device=DEV)
@@ -413,15 +414,24 @@ def _custom_op_floor(rows: list[dict]) -> None:
                           dt2: torch.dtype | None = None) -> None:
             return None
 
+        _DISPATCHER_ONLY.define("noop_mutating_plain(" + str(torch.ops.nsa_bench.noop_mutating.default._schema)
+                                .split("(", 1)[1])
+        _DISPATCHER_ONLY.impl("noop_mutating_plain", lambda *args: None, "CUDA")
+
     x = torch.zeros(64, device=DEV)
     ops = getattr(torch.ops, lib)
-    for case, fn in (("8 arguments", lambda: ops.noop(x, x, x, x, x, 1, 2, True)),
-                     ("mutating, 9 arguments", lambda: ops.noop_mutating(x, x, x, 64, False, "ue8m0",
-                                                                         torch.float8_e4m3fn, 0.5, torch.bfloat16))):
+    mutating = (x, x, x, 64, False, "ue8m0", torch.float8_e4m3fn, 0.5, torch.bfloat16)
+    for kernel, case, fn in (("custom_op doing nothing", "8 arguments", lambda: ops.noop(x, x, x, x, x, 1, 2, True)),
+                             ("custom_op doing nothing", "mutating, 9 arguments", lambda: ops.noop_mutating(*mutating)),
+                             ("dispatcher kernel doing nothing", "mutating, 9 arguments",
+                              lambda: ops.noop_mutating_plain(*mutating))):
         wall, issue = _host_us(fn)
-        rows.append({"kernel": "custom_op doing nothing", "case": case, "host": True, "wall_us": wall,
+        rows.append({"kernel": kernel, "case": case, "host": True, "wall_us": wall,
                      "issue_us": issue, "gpu_us": None, "launcher_issue_us": None, "torch_issue_us": None,
                      "torch_wall_us": None, "torch_gpu_us": None, "torch_case": "-"})
+
+
+_DISPATCHER_ONLY = torch.library.Library("nsa_bench", "FRAGMENT")
 
 
 def host_markdown(rows: list[dict]) -> str:

@@ -3,10 +3,11 @@
 Checks read metadata only, so the fakes run them too. Dispatch per call: CPU tensors (or no Triton) run the op's
 ``reference``; on ROCm with aiter enabled its ``aiter`` module where aiter can serve the call (``capability.
 aiter_refusal`` decides from static facts: versions, gfx arch, layout, head count), else its ``triton`` module; on
-other GPUs its ``triton`` module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8 type has no Triton
-type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte copy and stays on
-Triton for both fp8 types. On real tensors the checks run once per call signature (``once_per_signature``): the
-host cost of a call is paid on every step of a serving loop.
+other GPUs its ``triton`` module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8
+type has no Triton type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte
+copy and stays on Triton for both fp8 types. The host cost of a call is paid on every step of a serving loop: the ops
+are plain dispatcher kernels (``nsa_op``) and on real tensors the checks run once per call signature
+(``once_per_signature``).
 """
 
 from __future__ import annotations
@@ -129,32 +130,50 @@ def once_per_signature(validate):
     return checked
 
 
-_IMPL_LIBRARIES: list[torch.library.Library] = []  # kept alive: a registration lasts as long as its Library
+_LIBRARY = torch.library.Library("nsa", "DEF")  # kept alive: a registration lasts as long as its Library
 
 
-def register_version_bump(op, mutated: int) -> None:
-    """Replace the ADInplaceOrView kernel ``torch.library.custom_op`` gives the mutating ``op`` (a CustomOpDef) by
-    one that bumps the version counter of positional argument ``mutated`` and redispatches, as torch's does.
+class NsaOp:
+    """``torch.ops.nsa.<name>`` as :func:`nsa_op` registered it: call it like the op, give it a fake with
+    ``register_fake``."""
 
-    Why: torch's kernel pairs the call's arguments with the schema by indexing ``schema.arguments``, which builds
-    the whole argument list again for every index (``torch._library.utils.fill_defaults``): measured on a CPU, 130
-    of the 360 µs one ``nsa.quant_cache_store`` call cost the host, on every call of a serving loop."""
-    overload = op._opoverload
-    library = torch.library.Library(overload.namespace, "IMPL")
+    def __init__(self, name: str):
+        self.name = name
 
-    def bump_version(keyset, *args, **kwargs):
-        torch.autograd.graph.increment_version(args[mutated])
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return overload.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return getattr(torch.ops.nsa, self.name)(*args, **kwargs)
 
-    # torch 2.11 refuses to override custom_op's own Python kernel unless asked to (2.13 allows it by default)
-    override = {"allow_override": True} if "allow_override" in inspect.signature(library.impl).parameters else {}
-    try:
-        library.impl(overload._schema.name.split("::")[1], bump_version, "ADInplaceOrView", with_keyset=True,
-                     **override)
-    except RuntimeError:  # a torch that allows no override at all keeps its own (slower) kernel
-        return
-    _IMPL_LIBRARIES.append(library)
+    def register_fake(self, fake):
+        torch.library.register_fake(f"nsa::{self.name}", fake, lib=_LIBRARY)
+        return fake
+
+
+def nsa_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """Register the decorated function as ``torch.ops.nsa.<name>`` (schema from its annotations, as
+    ``torch.library.custom_op`` infers it), the kernel of its CPU and CUDA (ROCm too) dispatch keys.
+
+    Why not ``torch.library.custom_op``: its Python layers (an autograd wrapper, a Dynamo-disabled frame, output
+    alias checks, an ADInplaceOrView kernel that rebuilds the argument list per mutated argument) cost the host more
+    than the Triton launch itself on every call of a serving loop (BENCHMARKS.md, host cost). A plain dispatcher
+    kernel is what remains; it bumps the version counter of each argument in ``mutates_args`` once per call, as
+    custom_op does."""
+    def register(fn) -> NsaOp:
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        kernel = fn
+        mutated = [(i, p) for i, p in enumerate(inspect.signature(fn).parameters) if p in mutates_args]
+        if mutated:
+            @functools.wraps(fn)
+            def kernel(*args, **kwargs):
+                with torch._C._AutoDispatchBelowADInplaceOrView():  # the body's own writes bump nothing
+                    out = fn(*args, **kwargs)
+                for i, p in mutated:
+                    torch.autograd.graph.increment_version(args[i] if i < len(args) else kwargs[p])
+                return out
+        for key in ("CPU", "CUDA"):
+            _LIBRARY.impl(name, kernel, key)
+        return NsaOp(name)
+
+    return register
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -80,8 +80,9 @@ def test_host_launch_arithmetic_equals_triton():
 
 
 def test_quant_cache_store_bumps_the_cache_version_once_per_call():
-    """Its ADInplaceOrView kernel is the project's (``register_version_bump``): the mutation stays visible to
-    autograd's version check, the bytes land in the cache, the other arguments keep their versions."""
+    """A plain dispatcher kernel (``nsa_op``) bumps the mutated argument's version itself, once however many writes
+    its body makes: the mutation stays visible to autograd's version check, the bytes land in the cache, the other
+    arguments keep their versions; by keyword too."""
     cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
     k, slots = torch.randn(3, 128), torch.tensor([0, 5, 70])
     versions = cache._version, k._version, slots._version
@@ -90,3 +91,6 @@ def test_quant_cache_store_bumps_the_cache_version_once_per_call():
     expected = torch.zeros_like(cache)
     reference(k, expected, slots, 64, False, "ue8m0", torch.float8_e4m3fn)
     assert torch.equal(cache, expected)
+    torch.ops.nsa.quant_cache_store(k=k, cache=cache, slot_mapping=slots, page_size=64, preshuffle=False,
+                                    scale_fmt="ue8m0")
+    assert cache._version == versions[0] + 2

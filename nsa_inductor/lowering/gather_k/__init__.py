@@ -10,8 +10,8 @@ import torch
 from ...capability import capability
 from ...index_contract import check_cu_seqlens, check_pages, eager_call
 from ...layout import HEAD_DIM
-from .._common import (check, check_devices, check_fp8, check_layout, contiguous, describe, implementation,
-                      once_per_signature)
+from .._common import (check, check_devices, check_fp8, check_layout, contiguous, describe, implementation, nsa_op,
+                       once_per_signature)
 
 
 @once_per_signature
@@ -28,7 +28,7 @@ def _validate(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens,
     check_devices(cache=cache, block_table=block_table, cu_seqlens=cu_seqlens)
 
 
-@torch.library.custom_op("nsa::gather_k", mutates_args=())
+@nsa_op("gather_k")
 def gather_k(
     cache: torch.Tensor,
     block_table: torch.Tensor,

@@ -17,7 +17,7 @@ import torch
 from ...capability import capability
 from ...index_contract import check_gather_ids, eager_call
 from ...layout import HEAD_DIM
-from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, contiguous, describe,
+from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, contiguous, describe, nsa_op,
                        once_per_signature, triton_or_reference)
 
 
@@ -40,7 +40,7 @@ def _validate(cache, positions, page_size, preshuffle, fp8_dtype, block_table, s
         check_devices(cache=cache, positions=positions)
 
 
-@torch.library.custom_op("nsa::gather_k_slots", mutates_args=())
+@nsa_op("gather_k_slots")
 def gather_k_slots(
     cache: torch.Tensor,
     positions: torch.Tensor,

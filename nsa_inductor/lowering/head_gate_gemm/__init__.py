@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import check, check_devices, describe, once_per_signature, triton_or_reference
+from .._common import check, check_devices, describe, nsa_op, once_per_signature, triton_or_reference
 
 
 @once_per_signature
@@ -24,7 +24,7 @@ def _validate(x, weight, splits, round_weight) -> None:
     check_devices(x=x, weight=weight)
 
 
-@torch.library.custom_op("nsa::head_gate_gemm", mutates_args=())
+@nsa_op("head_gate_gemm")
 def head_gate_gemm(x: torch.Tensor, weight: torch.Tensor, splits: int, round_weight: bool) -> torch.Tensor:
     """Split-K partial products ``[splits, M, N]`` fp32 of ``x [M, K] bf16 @ weight [N, K]^T``; their sum over dim 0
     is the GEMM. An fp32 weight enters as ``hi + lo`` (two bf16 halves, ~16 bits of W) or, with ``round_weight``, as

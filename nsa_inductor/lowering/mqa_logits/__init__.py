@@ -9,7 +9,7 @@ import torch
 
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
-from .._common import check, check_devices, contiguous, implementation, once_per_signature
+from .._common import check, check_devices, contiguous, implementation, nsa_op, once_per_signature
 
 
 @once_per_signature
@@ -25,7 +25,7 @@ def _validate(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
     check_devices(q_fp8=q_fp8, k_fp8=k_fp8, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
 
 
-@torch.library.custom_op("nsa::mqa_logits", mutates_args=())
+@nsa_op("mqa_logits")
 def mqa_logits(
     q_fp8: torch.Tensor,
     k_fp8: torch.Tensor,

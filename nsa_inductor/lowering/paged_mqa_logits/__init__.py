@@ -12,8 +12,8 @@ from ...capability import capability
 from ...index_contract import check_pages, eager_call
 from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
-from .._common import (check, check_devices, check_layout, contiguous, describe, implementation,
-                      once_per_signature)
+from .._common import (check, check_devices, check_layout, contiguous, describe, implementation, nsa_op,
+                       once_per_signature)
 
 
 @once_per_signature
@@ -41,7 +41,7 @@ def _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_si
                   **({} if weights_factor is None else {"weights_factor": weights_factor}))
 
 
-@torch.library.custom_op("nsa::paged_mqa_logits", mutates_args=())
+@nsa_op("paged_mqa_logits")
 def paged_mqa_logits(
     q_fp8: torch.Tensor,
     cache: torch.Tensor,

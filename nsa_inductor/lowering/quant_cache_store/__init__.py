@@ -13,8 +13,8 @@ from ...capability import capability
 from ...index_contract import check_slots, eager_call
 from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
-from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rope, check_rotation,
-                      contiguous, implementation, once_per_signature, register_version_bump)
+from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rope, check_rotation, contiguous,
+                       implementation, nsa_op, once_per_signature)
 
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
@@ -58,7 +58,7 @@ def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtyp
                   **{name: t for name, t in optional.items() if t is not None})
 
 
-@torch.library.custom_op("nsa::quant_cache_store", mutates_args=("cache",))
+@nsa_op("quant_cache_store", mutates_args=("cache",))
 def quant_cache_store(
     k: torch.Tensor,
     cache: torch.Tensor,
@@ -111,5 +111,3 @@ def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
               rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
 
-
-register_version_bump(quant_cache_store, mutated=1)  # the cache

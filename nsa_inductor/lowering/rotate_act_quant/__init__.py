@@ -14,10 +14,11 @@ import torch
 
 from ...layout import HEAD_DIM
 from ...quant import ROTATED_QUANT_BLOCKS, check_scale_fmt, fp8_max as dtype_fp8_max
-from .._common import (check, check_devices, check_fp8, check_rope, check_rotation, contiguous, describe,
-                      triton_or_reference)
+from .._common import (check, check_devices, check_fp8, check_rope, check_rotation, contiguous, describe, nsa_op,
+                       once_per_signature, triton_or_reference)
 
 
+@once_per_signature
 def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin,
               positions) -> None:
     check_scale_fmt(scale_fmt)
@@ -42,7 +43,7 @@ def _scale_shape(x: torch.Tensor, quant_block: int) -> list:
     return [*x.shape[:-1], HEAD_DIM // quant_block]
 
 
-@torch.library.custom_op("nsa::rotate_act_quant", mutates_args=())
+@nsa_op("rotate_act_quant")
 def rotate_act_quant(x: torch.Tensor, rotation: torch.Tensor, scale: float, divide: bool, quant_block: int,
                      scale_fmt: str, fp8_dtype: torch.dtype, fp8_max: float, rope_cos: torch.Tensor | None = None,
                      rope_sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import INT_TYPES, check, check_devices, contiguous, implementation, once_per_signature
+from .._common import INT_TYPES, check, check_devices, contiguous, implementation, nsa_op, once_per_signature
 
 
 PADS = ("neg1", "column")
@@ -32,7 +32,7 @@ def _validate(logits, k, lengths, offset, pad) -> None:
     check_devices(logits=logits, **{n: t for n, t in (("lengths", lengths), ("offset", offset)) if t is not None})
 
 
-@torch.library.custom_op("nsa::topk_indices", mutates_args=())
+@nsa_op("topk_indices")
 def topk_indices(
     logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None, offset: torch.Tensor | None = None,
     pad: str = "neg1", sorted: bool = False,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .._common import check, check_devices, describe, triton_or_reference
+from .._common import check, check_devices, describe, nsa_op, once_per_signature, triton_or_reference
 
 
+@once_per_signature
 def _validate(x, gate_weight, k_weight, gate_splits, k_splits, round_weight) -> None:
     check("x", x, (None, None), (torch.bfloat16,), "[M, K]")
     k = x.shape[1]
@@ -29,7 +30,7 @@ def _validate(x, gate_weight, k_weight, gate_splits, k_splits, round_weight) -> 
     check_devices(x=x, gate_weight=gate_weight, k_weight=k_weight)
 
 
-@torch.library.custom_op("nsa::wk_gate_gemm", mutates_args=())
+@nsa_op("wk_gate_gemm")
 def wk_gate_gemm(x: torch.Tensor, gate_weight: torch.Tensor, k_weight: torch.Tensor, gate_splits: int,
                  k_splits: int, round_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gate partials [gate_splits, M, Ng], k partials [k_splits, M, Nk])`` fp32: each is
