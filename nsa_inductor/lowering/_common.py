@@ -112,20 +112,16 @@ def once_per_signature(validate):
 
     @functools.wraps(validate)
     def checked(*args) -> None:
-        key = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                if type(a) not in _PLAIN_TENSORS:
-                    validate(*args)
-                    return
-                a = (a.shape, a.dtype, a.device, a.is_contiguous())
-            key.append(a)
-        key = tuple(key)
-        if key not in seen:
-            validate(*args)
-            if len(seen) >= _MAX_SIGNATURES:
-                seen.clear()
-            seen[key] = None
+        key = tuple([(a.shape, a.dtype, a.device, a.is_contiguous()) if type(a) in _PLAIN_TENSORS else a
+                     for a in args])
+        if key in seen:
+            return
+        validate(*args)
+        if any(isinstance(a, torch.Tensor) for a in key):  # a subclass (fake) tensor stays in the key: not kept
+            return
+        if len(seen) >= _MAX_SIGNATURES:
+            seen.clear()
+        seen[key] = None
 
     return checked
 
