@@ -1,5 +1,5 @@
-"""Kernel layer: the ``nsa`` custom ops (``torch.ops.nsa.*``), one package per op with its custom op, fake and
-argument checks (``__init__``), torch reference, Triton kernel and, where aiter has a kernel, aiter dispatch.
+"""Kernel layer: the ``nsa`` ops (``torch.ops.nsa.*``), one package per op with its registration (``nsa_op``), fake
+and argument checks (``__init__``), torch reference, Triton kernel and, where aiter has a kernel, aiter dispatch.
 Importing this package registers the ops; Triton and aiter are imported only when a GPU path runs."""
 
 from . import (gather_k, gather_k_slots, head_gate_gemm, mqa_logits, paged_mqa_logits, quant_cache_store,
