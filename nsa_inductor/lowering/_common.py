@@ -114,7 +114,11 @@ def once_per_signature(validate):
     def checked(*args) -> None:
         key = tuple([(a.shape, a.dtype, a.device, a.is_contiguous()) if type(a) in _PLAIN_TENSORS else a
                      for a in args])
-        if key in seen:
+        try:
+            if key in seen:
+                return
+        except TypeError:  # a symbolic size (tracing) is not hashable: checked in full, never kept
+            validate(*args)
             return
         validate(*args)
         if any(isinstance(a, torch.Tensor) for a in key):  # a subclass (fake) tensor stays in the key: not kept

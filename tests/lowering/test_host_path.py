@@ -60,6 +60,22 @@ def test_fake_tensors_are_always_checked():
     assert len(calls) == 2
 
 
+def test_symbolic_sizes_are_always_checked():
+    """Under symbolic tracing (a compile with dynamic shapes) an argument may be a SymInt, which cannot be hashed."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    validate, calls = _counting()
+    cache = torch.zeros(2, 132, dtype=torch.uint8)
+
+    def traced(x):
+        validate(x, cache, x.shape[0])
+        validate(x, cache, x.shape[0])
+        return x + 1
+
+    make_fx(traced, tracing_mode="symbolic")(torch.zeros(4, 8))
+    assert len(calls) == 2
+
+
 def test_an_op_still_refuses_bad_arguments_after_good_calls():
     q = torch.zeros(2, 1, 16, 128, dtype=torch.float8_e4m3fn)
     cache = torch.zeros(4, 64 * 132, dtype=torch.uint8)
