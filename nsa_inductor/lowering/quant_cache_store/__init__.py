@@ -110,4 +110,3 @@ def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.
       rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0, k_split_sum=False):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
               rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
-
