@@ -54,9 +54,10 @@ def _split_sum(total: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]
     if any(n.args[0] is not partials for n in nodes if is_op(n, aten.select.int)):
         raise NearMiss(f"the sum at {describe(total)} adds partials of more than one tensor")
     p = val(partials)
-    if as_int(p.shape[0]) is None:
+    count = as_int(p.shape[0])
+    if count is None:
         raise NearMiss(f"the partials {describe(partials)} have a symbolic count {p.shape[0]}")
-    if splits[::-1] != list(range(1, as_int(p.shape[0]))):
+    if splits[::-1] != list(range(1, count)):
         raise NearMiss(f"the sum at {describe(total)} adds splits {[0, *splits[::-1]]} of {describe(partials)}, not "
                        f"all of them left to right")
     if p.dtype != torch.float32 or p.dim() != 3:
