@@ -40,7 +40,7 @@ fi
 
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ] && [ "$mode" != "sweep" ] \
     && [ "$mode" != "host" ] && [ "$mode" != "engine" ]; then
-  python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/test_compiled_indexer.py tests/test_compiled_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/lowering/test_launch.py tests/test_compiled_indexer.py tests/test_compiled_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 

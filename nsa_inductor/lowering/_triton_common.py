@@ -38,6 +38,48 @@ def interpreted(kernel) -> bool:
     return not isinstance(kernel, triton.runtime.JITFunction)
 
 
+_INT32 = range(-(2**31), 2**31)
+_LAUNCHES: dict[tuple, tuple] = {}  # (kernel, device, argument key, keywords) -> Triton's compiled kernel, launch data
+
+
+def _argument_key(args: tuple) -> tuple:
+    """What Triton specialises a launch on, per runtime argument: a tensor's dtype and 16-byte alignment; an int's
+    type (i32 or wider), whether it is 1 and whether 16 divides it; a float's type; anything else by value."""
+    return tuple((a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                 else (bool, a) if isinstance(a, bool)
+                 else (a in _INT32, a < 2**63, a == 1, not a & 15) if isinstance(a, int)
+                 else float if isinstance(a, float) else a for a in args)
+
+
+def launch(kernel, grid: tuple, *args, **keywords) -> None:
+    """``kernel[grid](*args, **keywords)``, at a fraction of the host cost from the second call of a signature.
+
+    Why: Triton binds and specialises every argument and builds its cache key on every launch (tens of µs of host
+    time a launch on the H200 machine, on every step of a serving loop; BENCHMARKS.md, host cost). The key here holds
+    what Triton specialises on (``_argument_key``, the keywords: constexprs and launch options), so a repeated key
+    runs the kernel Triton compiled for its first call, through Triton's own launcher. CUDA only: ROCm's Triton also
+    specialises on buffer sizes; the interpreter and launch hooks (profilers) always take Triton's path."""
+    if interpreted(kernel) or torch.version.hip is not None or triton.knobs.runtime.launch_enter_hook is not None:
+        kernel[grid](*args, **keywords)
+        return
+    device = torch.cuda.current_device()
+    key = (kernel, device, _argument_key(args), tuple(keywords.items()))
+    known = _LAUNCHES.get(key)
+    if known is None:
+        compiled = kernel[grid](*args, **keywords)
+        params = kernel.params[len(args):]
+        if all(p.is_constexpr for p in params):  # else a runtime argument came by keyword: not a fixed tail
+            if len(_LAUNCHES) >= 4096:
+                _LAUNCHES.clear()
+            tail = tuple(keywords[p.name] if p.name in keywords else p.default for p in params)
+            _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        return
+    run, function, metadata, tail = known
+    grid = (*grid, 1, 1)
+    run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
+        *args, *tail)
+
+
 def empty_k_rows(num_tokens: int, fp8_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs of the K gathers: ``(k_fp8 [num_tokens, 128], k_scale [num_tokens])``."""
     return (torch.empty(num_tokens, HEAD_DIM, dtype=fp8_dtype, device=device),

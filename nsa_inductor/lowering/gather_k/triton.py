@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, empty_k_rows, readable_index, scale_offsets, value_offsets
+from .._triton_common import cdiv, empty_k_rows, launch, readable_index, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -61,22 +61,8 @@ def gather_k(cache, block_table, cu_seqlens, page_size, preshuffle, num_tokens, 
     k_out, scale_out = out if out is not None else empty_k_rows(num_tokens, fp8_dtype, cache.device)
     if num_tokens:
         batch = block_table.shape[0]
-        _gather_k_kernel[(cdiv(num_tokens, block_r),)](
-            cache,
-            cache.view(torch.float32),
-            block_table,
-            cu_seqlens,
-            k_out.view(torch.uint8),
-            scale_out,
-            num_tokens,
-            batch,
-            block_table.stride(0),
-            block_table.shape[1],
-            cache.shape[0],
-            PAGE_SIZE=page_size,
-            PRESHUFFLE=preshuffle,
-            SEARCH_STEPS=max(1, batch.bit_length()),
-            BLOCK_R=block_r,
-            num_warps=4,
-        )
+        launch(_gather_k_kernel, (cdiv(num_tokens, block_r),), cache, cache.view(torch.float32), block_table,
+               cu_seqlens, k_out.view(torch.uint8), scale_out, num_tokens, batch, block_table.stride(0),
+               block_table.shape[1], cache.shape[0], PAGE_SIZE=page_size, PRESHUFFLE=preshuffle,
+               SEARCH_STEPS=max(1, batch.bit_length()), BLOCK_R=block_r, num_warps=4)
     return k_out, scale_out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, empty_k_rows, readable_index, scale_offsets, value_offsets
+from .._triton_common import cdiv, empty_k_rows, launch, readable_index, scale_offsets, value_offsets
 
 
 @triton.jit
@@ -58,23 +58,10 @@ def gather_k_slots(cache, positions, page_size, preshuffle, fp8_dtype, block_tab
     k_out, scale_out = out if out is not None else empty_k_rows(num_tokens, fp8_dtype, cache.device)
     if num_tokens:
         by_sequence = block_table is not None
-        _gather_k_slots_kernel[(cdiv(num_tokens, block_r),)](
-            cache,
-            cache.view(torch.float32),
-            positions,
-            block_table if by_sequence else positions,
-            seq_ids if by_sequence else positions,
-            k_out.view(torch.uint8),
-            scale_out,
-            num_tokens,
-            cache.shape[0],
-            block_table.shape[0] if by_sequence else 1,
-            block_table.stride(0) if by_sequence else 0,
-            block_table.shape[1] if by_sequence else 1,
-            PAGE_SIZE=page_size,
-            PRESHUFFLE=preshuffle,
-            BY_SEQUENCE=by_sequence,
-            BLOCK_R=block_r,
-            num_warps=4,
-        )
+        launch(_gather_k_slots_kernel, (cdiv(num_tokens, block_r),), cache, cache.view(torch.float32), positions,
+               block_table if by_sequence else positions, seq_ids if by_sequence else positions,
+               k_out.view(torch.uint8), scale_out, num_tokens, cache.shape[0],
+               block_table.shape[0] if by_sequence else 1, block_table.stride(0) if by_sequence else 0,
+               block_table.shape[1] if by_sequence else 1, PAGE_SIZE=page_size, PRESHUFFLE=preshuffle,
+               BY_SEQUENCE=by_sequence, BLOCK_R=block_r, num_warps=4)
     return k_out, scale_out

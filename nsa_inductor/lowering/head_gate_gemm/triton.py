@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, dot_bf16, interpreted, round_to_bf16, split_bf16
+from .._triton_common import cdiv, dot_bf16, interpreted, launch, round_to_bf16, split_bf16
 from .reference import HEAD_GATE_K_ALIGN, head_gate_chunk
 
 
@@ -111,7 +111,7 @@ def head_gate_gemm(x, weight, splits, round_weight, out=None, config: HeadGateCo
     mode = weight_mode(weight, round_weight)
     grid = (cdiv(rows, cfg.block_m), cdiv(n, cfg.block_n), splits)
     kernel = _head_gate_gemm_kernel
-    kernel[grid](x, weight, out, rows, n, k, head_gate_chunk(k, splits), *x.stride(), *weight.stride(), WEIGHT=mode,
-                 ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 BLOCK_K=HEAD_GATE_K_ALIGN, num_warps=4, num_stages=cfg.num_stages)
+    launch(kernel, grid, x, weight, out, rows, n, k, head_gate_chunk(k, splits), *x.stride(), *weight.stride(),
+           WEIGHT=mode, ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+           BLOCK_K=HEAD_GATE_K_ALIGN, num_warps=4, num_stages=cfg.num_stages)
     return out

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv
+from .._triton_common import cdiv, launch
 
 
 @dataclass(frozen=True)
@@ -81,20 +81,7 @@ def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, out=None, config: RaggedC
         out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q_fp8.device)
     if tokens == 0 or num_keys == 0:
         return out
-    _mqa_logits_kernel[(cdiv(num_keys, cfg.block_n), cdiv(tokens, cfg.block_m))](
-        q_fp8,
-        k_fp8,
-        k_scale,
-        weights,
-        ks,
-        ke,
-        out,
-        tokens,
-        num_keys,
-        heads,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    launch(_mqa_logits_kernel, (cdiv(num_keys, cfg.block_n), cdiv(tokens, cfg.block_m)), q_fp8, k_fp8, k_scale, weights,
+           ks, ke, out, tokens, num_keys, heads, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)
     return out

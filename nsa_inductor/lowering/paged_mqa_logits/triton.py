@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, next_power_of_2, scale_offsets, value_offsets, wrapped_index
+from .._triton_common import cdiv, launch, next_power_of_2, scale_offsets, value_offsets, wrapped_index
 
 
 @dataclass(frozen=True)
@@ -137,31 +137,11 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
     if batch == 0 or max_len == 0:
         return out
-    _paged_mqa_logits_kernel[(batch, cdiv(max_len, cfg.chunk))](
-        q_fp8,
-        cache.view(q_fp8.dtype),
-        cache.view(torch.float32),
-        weights,
-        weights if weights_factor is None else weights_factor,
-        weight_scale,
-        context_lens,
-        block_table,
-        out,
-        next_n,
-        heads,
-        max_len,
-        block_table.stride(0),
-        block_table.shape[1],
-        cache.shape[0],
-        PAGE_SIZE=page_size,
-        PRESHUFFLE=preshuffle,
-        HAS_FACTOR=weights_factor is not None,
-        W_SPLITS=weights.shape[0] if weights.dim() == 3 else 1,
-        NEXT_N=next_power_of_2(next_n),
-        HEADS_PAD=max(16, next_power_of_2(heads)),
-        CHUNK=cfg.chunk,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    launch(_paged_mqa_logits_kernel, (batch, cdiv(max_len, cfg.chunk)), q_fp8, cache.view(q_fp8.dtype),
+           cache.view(torch.float32), weights, weights if weights_factor is None else weights_factor, weight_scale,
+           context_lens, block_table, out, next_n, heads, max_len, block_table.stride(0), block_table.shape[1],
+           cache.shape[0], PAGE_SIZE=page_size, PRESHUFFLE=preshuffle, HAS_FACTOR=weights_factor is not None,
+           W_SPLITS=weights.shape[0] if weights.dim() == 3 else 1, NEXT_N=next_power_of_2(next_n),
+           HEADS_PAD=max(16, next_power_of_2(heads)), CHUNK=cfg.chunk, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)
     return out

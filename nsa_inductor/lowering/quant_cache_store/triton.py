@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...quant import fp8_max
-from .._triton_common import (cdiv, fp8_values, interpreted, layer_norm_rows, load_split_sum, no_fma,
+from .._triton_common import (cdiv, fp8_values, interpreted, launch, layer_norm_rows, load_split_sum, no_fma,
                               quantize_constants, quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16,
                               scale_constants, scale_offsets, scale_rows, value_offsets)
 
@@ -139,36 +139,16 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
     block_t = block_t or block_tokens(num_tokens, rotation is not None)
     rot = k if rotation is None else rotation  # any pointer: not read without a rotation
     kernel = _quant_store_kernel
-    kernel[(cdiv(num_tokens, block_t),)](
-        k,
-        k.stride(-2),
-        slot_mapping,
-        cache.view(fp8_dtype),
-        cache.view(torch.float32),
-        num_tokens,
-        cache.shape[0] * page_size,
-        rot,
-        *(rot.stride() if rotation is not None else (0, 0)),
-        *rope_arguments(k, num_tokens, rope_cos, rope_sin, positions),
-        k if ln_weight is None else ln_weight,  # any pointer: not read without the LayerNorm prologue
-        k if ln_bias is None else ln_bias,
-        float(ln_eps),
-        k.stride(0),
-        SPLITS=k.shape[0] if k_split_sum else 0,
-        ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1],
-        INTERLEAVED=rope_interleaved,
-        NO_FMA=no_fma(kernel),
-        LAYER_NORM=ln_weight is not None,
-        ROUND_K=round_k,
-        ROTATE=rotation is not None,
-        SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
-        **scale_constants(input_scale, input_divide),
-        ROUND_TO=_ROUND_TO[input_dtype],
-        PAGE_SIZE=page_size,
-        PRESHUFFLE=preshuffle,
-        **quantize_constants(fp8_dtype, fp8_max(fp8_dtype), scale_fmt),
-        ON_GPU=not interpreted(kernel),
-        BLOCK_T=block_t,
-        SCAN_BLOCK=128,
-        num_warps=4,
-    )
+    layer_norm = ln_weight is not None
+    ln_weight, ln_bias = (k, k) if ln_weight is None else (ln_weight, ln_bias)  # any pointers: not read without LN
+    launch(kernel, (cdiv(num_tokens, block_t),), k, k.stride(-2), slot_mapping, cache.view(fp8_dtype),
+           cache.view(torch.float32), num_tokens, cache.shape[0] * page_size, rot,
+           *(rot.stride() if rotation is not None else (0, 0)),
+           *rope_arguments(k, num_tokens, rope_cos, rope_sin, positions), ln_weight, ln_bias, float(ln_eps),
+           k.stride(0), SPLITS=k.shape[0] if k_split_sum else 0,
+           ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved,
+           NO_FMA=no_fma(kernel), LAYER_NORM=layer_norm, ROUND_K=round_k, ROTATE=rotation is not None,
+           SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
+           **scale_constants(input_scale, input_divide), ROUND_TO=_ROUND_TO[input_dtype], PAGE_SIZE=page_size,
+           PRESHUFFLE=preshuffle, **quantize_constants(fp8_dtype, fp8_max(fp8_dtype), scale_fmt),
+           ON_GPU=not interpreted(kernel), BLOCK_T=block_t, SCAN_BLOCK=128, num_warps=4)

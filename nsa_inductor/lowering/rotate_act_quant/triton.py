@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (fp8_values, interpreted, no_fma, quantize_constants, quantize_rows, rope_arguments,
-                              rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_rows)
+from .._triton_common import (fp8_values, interpreted, launch, no_fma, quantize_constants, quantize_rows,
+                              rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_rows)
 
 
 @triton.jit
@@ -70,12 +70,10 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
         return values, scales
     block_m = block_m or block_rows(rows)
     kernel = _rotate_act_quant_kernel
-    kernel[(triton.cdiv(rows, block_m),)](
-        x, rotation, values, scales, rows, *rotation.stride(), *rope_arguments(x, rows, rope_cos, rope_sin, positions),
-        ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved, NO_FMA=no_fma(kernel),
-        **scale_constants(scale, divide),
-        SPLIT_ROTATION=rotation.dtype == torch.float32, QUANT_BLOCK=quant_block,
-        **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt), ON_GPU=not interpreted(kernel), BLOCK_M=block_m,
-        num_warps=warps_for(rows, block_m),
-    )
+    launch(kernel, (triton.cdiv(rows, block_m),), x, rotation, values, scales, rows, *rotation.stride(),
+           *rope_arguments(x, rows, rope_cos, rope_sin, positions),
+           ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved,
+           NO_FMA=no_fma(kernel), **scale_constants(scale, divide), SPLIT_ROTATION=rotation.dtype == torch.float32,
+           QUANT_BLOCK=quant_block, **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt),
+           ON_GPU=not interpreted(kernel), BLOCK_M=block_m, num_warps=warps_for(rows, block_m))
     return values, scales

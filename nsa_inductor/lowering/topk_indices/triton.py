@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import next_power_of_2
+from .._triton_common import launch, next_power_of_2
 
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
@@ -665,17 +665,15 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
     segments = segments_for(n_cols, k, block)
     flags = dict(flags, BLOCK=block, num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
     if segments == 1:
-        _topk_indices_kernel[(rows,)](logits, lengths, offset, out, out, out, n_cols, logits.stride(0), k, 1,
-                                      MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, **flags)
+        launch(_topk_indices_kernel, (rows,), logits, lengths, offset, out, out, out, n_cols, logits.stride(0), k, 1,
+               MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, **flags)
     else:
         cand = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)
         cand_keys = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
-        _topk_indices_kernel[(rows, segments)](logits, lengths, offset, cand, cand_keys, out, n_cols,
-                                               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False,
-                                               ONE_BLOCK=True, **flags)
-        _topk_indices_kernel[(rows,)](logits, lengths, offset, cand, cand_keys, out, n_cols, logits.stride(0), k,
-                                      segments, MODE=CANDIDATES, SORTED=sort_in_kernel,
-                                      ONE_BLOCK=segments * k <= block, **flags)
+        launch(_topk_indices_kernel, (rows, segments), logits, lengths, offset, cand, cand_keys, out, n_cols,
+               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False, ONE_BLOCK=True, **flags)
+        launch(_topk_indices_kernel, (rows,), logits, lengths, offset, cand, cand_keys, out, n_cols, logits.stride(0),
+               k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel, ONE_BLOCK=segments * k <= block, **flags)
 
 
 def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps):
@@ -689,13 +687,12 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
-    _radix_histogram_kernel[(rows, segments)](logits, lengths, hist, arrivals, n_cols, stride, segments,
-                                              HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, num_warps=4)
-    _radix_compact_kernel[(rows, segments)](logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
-                                            out if out_keys is None else out_keys, n_cols, stride, k, segments,
-                                            capacity, WRITE_KEYS=out_keys is not None, SEGMENT=segment,
-                                            SEGMENTS_BLOCK=min(16, next_power_of_2(segments)), BLOCK=block,
-                                            num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+    launch(_radix_histogram_kernel, (rows, segments), logits, lengths, hist, arrivals, n_cols, stride, segments,
+           HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, num_warps=4)
+    launch(_radix_compact_kernel, (rows, segments), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
+           out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
+           WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
+           BLOCK=block, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
 def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
@@ -703,9 +700,9 @@ def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capaci
     rows, n_cols = logits.shape
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
-    _radix_row_kernel[(rows,)](logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
-                               capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block,
-                               num_warps=num_warps or RADIX_ROW_WARPS, **flags)
+    launch(_radix_row_kernel, (rows,), logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
+           capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block, num_warps=num_warps or RADIX_ROW_WARPS,
+           **flags)
 
 
 def _sort_by_ranks(selected, keys, out):
@@ -713,8 +710,8 @@ def _sort_by_ranks(selected, keys, out):
     launch over (row, part of ``RANK_PART`` entries), each entry placed at its rank among all k."""
     rows, k = out.shape
     part = min(RANK_PART, next_power_of_2(k))
-    _rank_sort_kernel[(rows, -(-k // part))](selected, keys, out, k, PART=part,
-                                             BLOCK=min(RANK_BLOCK, next_power_of_2(k)), num_warps=RANK_WARPS)
+    launch(_rank_sort_kernel, (rows, -(-k // part)), selected, keys, out, k, PART=part,
+           BLOCK=min(RANK_BLOCK, next_power_of_2(k)), num_warps=RANK_WARPS)
 
 
 def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
@@ -724,9 +721,8 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     chunk = min(chunk, next_power_of_2(k))
     n_chunks = -(-k // chunk)
     sorted_chunks = torch.empty(rows, n_chunks, chunk, dtype=torch.int64, device=logits.device)
-    _sort_chunks_kernel[(rows, n_chunks)](logits, lengths, offset, out, sorted_chunks, n_cols, logits.stride(0), k,
-                                          n_chunks, CHUNK=chunk, num_warps=4, **flags)
+    launch(_sort_chunks_kernel, (rows, n_chunks), logits, lengths, offset, out, sorted_chunks, n_cols, logits.stride(0),
+           k, n_chunks, CHUNK=chunk, num_warps=4, **flags)
     part = min(chunk, MERGE_PART)
-    _merge_chunks_kernel[(rows, n_chunks, chunk // part)](sorted_chunks, out, k, n_chunks, CHUNK=chunk, PART=part,
-                                                          CHUNKS_POW2=next_power_of_2(n_chunks),
-                                                          SEARCH_STEPS=chunk.bit_length(), num_warps=4)
+    launch(_merge_chunks_kernel, (rows, n_chunks, chunk // part), sorted_chunks, out, k, n_chunks, CHUNK=chunk,
+           PART=part, CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(), num_warps=4)

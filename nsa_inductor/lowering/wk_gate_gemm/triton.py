@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import interpreted
+from .._triton_common import interpreted, launch
 from ..head_gate_gemm.reference import head_gate_chunk
 from ..head_gate_gemm.triton import split_k_tile, weight_mode
 
@@ -81,9 +81,9 @@ def wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, 
     k_programs = triton.cdiv(k_n, cfg.k_block_n) * k_splits
     grid = (triton.cdiv(rows, cfg.block_m), gate_programs + k_programs)
     kernel = _wk_gate_gemm_kernel
-    kernel[grid](x, gate_weight, k_weight, *out, rows, gate_n, k_n, k, head_gate_chunk(k, gate_splits),
-                 head_gate_chunk(k, k_splits), gate_programs, *x.stride(), *gate_weight.stride(), *k_weight.stride(),
-                 GATE_WEIGHT=weight_mode(gate_weight, round_weight), ON_GPU=not interpreted(kernel),
-                 BLOCK_M=cfg.block_m, GATE_BLOCK_N=cfg.gate_block_n, K_BLOCK_N=cfg.k_block_n, BLOCK_K=cfg.block_k,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(kernel, grid, x, gate_weight, k_weight, *out, rows, gate_n, k_n, k, head_gate_chunk(k, gate_splits),
+           head_gate_chunk(k, k_splits), gate_programs, *x.stride(), *gate_weight.stride(), *k_weight.stride(),
+           GATE_WEIGHT=weight_mode(gate_weight, round_weight), ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m,
+           GATE_BLOCK_N=cfg.gate_block_n, K_BLOCK_N=cfg.k_block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)
     return out
