@@ -57,9 +57,9 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     Why: Triton binds and specialises every argument and builds its cache key on every launch (tens of µs of host
     time a launch on the H200 machine, on every step of a serving loop; BENCHMARKS.md, host cost). The key here holds
     what Triton specialises on (``_argument_key``, the keywords: constexprs and launch options), so a repeated key
-    runs the kernel Triton compiled for its first call, through Triton's own launcher. CUDA only: ROCm's Triton also
-    specialises on buffer sizes; the interpreter and launch hooks (profilers) always take Triton's path."""
-    if interpreted(kernel) or torch.version.hip is not None or triton.knobs.runtime.launch_enter_hook is not None:
+    runs the kernel Triton compiled for its first call, through Triton's own launcher and launch hooks. CUDA only:
+    ROCm's Triton also specialises on buffer sizes; the interpreter takes Triton's path too."""
+    if interpreted(kernel) or torch.version.hip is not None:
         kernel[grid](*args, **keywords)
         return
     device = torch.cuda.current_device()
@@ -72,12 +72,15 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
             if len(_LAUNCHES) >= 4096:
                 _LAUNCHES.clear()
             tail = tuple(keywords[p.name] if p.name in keywords else p.default for p in params)
-            _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+            _LAUNCHES[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
         return
-    run, function, metadata, tail = known
+    compiled, run, function, metadata, tail = known
     grid = (*grid, 1, 1)
-    run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-        *args, *tail)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    described = None if enter is None or not getattr(enter, "calls", True) else compiled.launch_metadata(
+        grid[:3], stream, *args, *tail)  # what a hook (a profiler) is told; Triton's hooks are an empty chain
+    run(grid[0], grid[1], grid[2], stream, function, metadata, described, enter, leave, *args, *tail)
 
 
 def empty_k_rows(num_tokens: int, fp8_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
