@@ -58,7 +58,8 @@ def test_repeated_keys_launch_with_their_own_arguments():
     for case in cases:
         _axpy(**case)
     known = len(common._LAUNCHES)
-    assert known == (0 if torch.version.hip else len(cases))  # the fast path is taken on CUDA
+    # five keys on CUDA (alpha's value and the size of a misalignment are not Triton's business); none on ROCm
+    assert known == (0 if torch.version.hip else 5)
     for _ in range(2):
         for case in cases:  # the fast path: fresh tensors, the same keys
             _axpy(**case)
