@@ -444,8 +444,12 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row,
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    counts = _digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT), length)
-    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), _at_least(counts))
+    if segment * SEGMENT < length:
+        at_least = _at_least(_digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT),
+                                           length))
+    else:  # a segment past the row's length (an engine's logits row is max_model_len wide): nothing to count
+        at_least = tl.zeros((RADIX_BINS,), tl.int32)
+    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), at_least)
     if segment == 0:
         tl.store(arrivals + row, 0)
 
@@ -474,16 +478,16 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
         at_least += tl.sum(tl.load(hist_row + s[:, None] * RADIX_BINS + bins[None, :], mask=s[:, None] < n_segments,
                                    other=0), axis=0)
     b, above_total, in_bin_total = _boundary_bin(at_least, take)
-    above_before = tl.zeros((), tl.int32)
-    in_bin_before = tl.zeros((), tl.int32)
-    segments_above = tl.where(b + 1 < RADIX_BINS, segment, 0)  # (no bin above the last)
-    for s0 in range(0, segment, SEGMENTS_BLOCK):
-        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-        at_b = tl.load(hist_row + s * RADIX_BINS + b, mask=s < segment, other=0)
-        above_b = tl.load(hist_row + s * RADIX_BINS + b + 1, mask=s < segments_above, other=0)
-        above_before += tl.sum(above_b, axis=0)
-        in_bin_before += tl.sum(at_b - above_b, axis=0)
-    if take > 0:
+    if (take > 0) & (segment * SEGMENT < length):  # a segment past the row's length has nothing to move
+        above_before = tl.zeros((), tl.int32)
+        in_bin_before = tl.zeros((), tl.int32)
+        segments_above = tl.where(b + 1 < RADIX_BINS, segment, 0)  # (no bin above the last)
+        for s0 in range(0, segment, SEGMENTS_BLOCK):
+            s = s0 + tl.arange(0, SEGMENTS_BLOCK)
+            at_b = tl.load(hist_row + s * RADIX_BINS + b, mask=s < segment, other=0)
+            above_b = tl.load(hist_row + s * RADIX_BINS + b + 1, mask=s < segments_above, other=0)
+            above_before += tl.sum(above_b, axis=0)
+            in_bin_before += tl.sum(at_b - above_b, axis=0)
         _compact(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, dst, dst_keys, above_before, row_cols,
                  row_keys, in_bin_before, capacity, shift_cols, WRITE_KEYS)
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
