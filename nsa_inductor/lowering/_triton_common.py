@@ -39,16 +39,28 @@ def interpreted(kernel) -> bool:
 
 
 _INT32 = range(-(2**31), 2**31)
-_LAUNCHES: dict[tuple, tuple] = {}  # (kernel, device, argument key, keywords) -> Triton's compiled kernel, launch data
+# (id of the kernel, device, argument key, keywords) -> the kernel (kept alive: its id stays its own), Triton's
+# compiled kernel and launch data
+_LAUNCHES: dict[tuple, tuple] = {}
 
 
 def _argument_key(args: tuple) -> tuple:
     """What Triton specialises a launch on, per runtime argument: a tensor's dtype and 16-byte alignment; an int's
-    type (i32 or wider), whether it is 1 and whether 16 divides it; a float's type; anything else by value."""
-    return tuple((a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
-                 else (bool, a) if isinstance(a, bool)
-                 else (a in _INT32, a < 2**63, a == 1, not a & 15) if isinstance(a, int)
-                 else float if isinstance(a, float) else a for a in args)
+    type (i32 or wider), whether it is 1 and whether 16 divides it; a float's type; anything else by value. (Exact
+    types first: ``isinstance`` chains cost microseconds a launch.)"""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor
+                  else (a in _INT32, a < 2**63, a == 1, not a & 15) if type(a) is int
+                  else _other_argument_key(a) for a in args])
+
+
+def _other_argument_key(a) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, not a.data_ptr() & 15
+    if isinstance(a, bool):
+        return bool, a
+    if isinstance(a, int):
+        return a in _INT32, a < 2**63, a == 1, not a & 15
+    return float if isinstance(a, float) else a
 
 
 def launch(kernel, grid: tuple, *args, **keywords) -> None:
@@ -63,7 +75,7 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
         kernel[grid](*args, **keywords)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, _argument_key(args), tuple(keywords.items()))
+    key = (id(kernel), device, _argument_key(args), tuple(keywords.items()))  # (hashing a JITFunction takes a lock)
     known = _LAUNCHES.get(key)
     if known is None:
         compiled = kernel[grid](*args, **keywords)
@@ -72,9 +84,9 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
             if len(_LAUNCHES) >= 4096:
                 _LAUNCHES.clear()
             tail = tuple(keywords[p.name] if p.name in keywords else p.default for p in params)
-            _LAUNCHES[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
+            _LAUNCHES[key] = (kernel, compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
         return
-    compiled, run, function, metadata, tail = known
+    _, compiled, run, function, metadata, tail = known
     grid = (*grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
     enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook

@@ -37,6 +37,7 @@ def test_the_key_tells_apart_what_triton_specialises_on():
     assert key((True,)) != key((1,)) and key((True,)) != key((False,))
     assert key((0.5,)) == key((3.0,)) != key((3,))
     assert key((None,)) != key((buf,))
+    assert key((torch.nn.Parameter(buf),)) == key((buf,))  # a subclass: the same specialisation
 
 
 def _axpy(n: int, offset: int = 0, alpha: float = 2.0, **keywords):
