@@ -39,6 +39,7 @@ def interpreted(kernel) -> bool:
 
 
 _INT32 = range(-(2**31), 2**31)
+_CUDA_AVAILABLE = torch.cuda.is_available()  # else (a CPU-only machine compiling kernels ahead of time) Triton's launch
 # (id of the kernel, device, argument key, keywords) -> the kernel (kept alive: its id stays its own), Triton's
 # compiled kernel and launch data
 _LAUNCHES: dict[tuple, tuple] = {}
@@ -71,7 +72,7 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     what Triton specialises on (``_argument_key``, the keywords: constexprs and launch options), so a repeated key
     runs the kernel Triton compiled for its first call, through Triton's own launcher and launch hooks. CUDA only:
     ROCm's Triton also specialises on buffer sizes; the interpreter takes Triton's path too."""
-    if interpreted(kernel) or torch.version.hip is not None:
+    if interpreted(kernel) or torch.version.hip is not None or not _CUDA_AVAILABLE:
         kernel[grid](*args, **keywords)
         return
     device = torch.cuda.current_device()

@@ -20,6 +20,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from nsa_inductor import lowering  # noqa: E402
 from nsa_inductor.indexer import hadamard_matrix  # noqa: E402
 from nsa_inductor.layout import KCacheLayout  # noqa: E402
+from nsa_inductor.lowering import _triton_common as common  # noqa: E402
 
 TARGETS = {"sm_90": (GPUTarget("cuda", 90, 32), torch.float8_e4m3fn, False),
            "gfx942": (GPUTarget("hip", "gfx942", 64), torch.float8_e4m3fnuz, True)}
@@ -124,7 +125,8 @@ def _specialisations(fp8: torch.dtype, preshuffle: bool, hip: bool) -> dict:
                tuple(sorted(options.items())))
         found.setdefault(key, (self, signature, constexprs, options))
 
-    with mock.patch.object(JITFunction, "run", record), mock.patch.object(torch.version, "hip", "6.3" if hip else None):
+    with (mock.patch.object(JITFunction, "run", record), mock.patch.object(torch.version, "hip", "6.3" if hip else None),
+          mock.patch.object(common, "_CUDA_AVAILABLE", False)):  # every launch through Triton's (recorded) run
         for op, args, kwargs in _calls(fp8, preshuffle):
             getattr(_module(op), op)(*args, **kwargs)
     return found
