@@ -6,8 +6,8 @@ aiter_refusal`` decides from static facts: versions, gfx arch, layout, head coun
 other GPUs its ``triton`` module. Those two are imported on first use, never by ``import nsa_inductor``. The fnuz fp8
 type has no Triton type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte
 copy and stays on Triton for both fp8 types. The host cost of a call is paid on every step of a serving loop: the ops
-are plain dispatcher kernels (``nsa_op``) and on real tensors the checks run once per call signature
-(``once_per_signature``).
+are plain dispatcher kernels (``nsa_op``), on real tensors the checks run once per call signature
+(``once_per_signature``), and Triton kernels launch without Triton's per-call binding (``_triton_common.launch``).
 """
 
 from __future__ import annotations
