@@ -440,18 +440,29 @@ def _compact(src, col, length, b, dst, dst_keys, above_before, cand_cols, cand_k
 def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, HAS_LENGTHS: tl.constexpr,
                             SEGMENT: tl.constexpr):
     """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
-    ``hist[row, s]``; program (row, 0) zeroes the row's arrival count for the compaction launch."""
+    ``hist[row, s]`` (segments past the row's length, as in an engine's max_model_len-wide rows, have no columns:
+    nothing is counted or read for them); program (row, 0) zeroes the row's arrival count for the compaction launch."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     if segment * SEGMENT < length:
         at_least = _at_least(_digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT),
                                            length))
-    else:  # a segment past the row's length (an engine's logits row is max_model_len wide): nothing to count
-        at_least = tl.zeros((RADIX_BINS,), tl.int32)
-    tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), at_least)
+        tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), at_least)
     if segment == 0:
         tl.store(arrivals + row, 0)
+
+
+@triton.jit
+def _row_boundary(hist_row, used, take, SEGMENTS_BLOCK: tl.constexpr):
+    """``_boundary_bin`` of a row from the counts of its first ``used`` segments (those holding its columns)."""
+    bins = tl.arange(0, RADIX_BINS)
+    at_least = tl.zeros((RADIX_BINS,), tl.int32)
+    for s0 in range(0, used, SEGMENTS_BLOCK):
+        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
+        at_least += tl.sum(tl.load(hist_row + s[:, None] * RADIX_BINS + bins[None, :], mask=s[:, None] < used,
+                                   other=0), axis=0)
+    return _boundary_bin(at_least, take)
 
 
 @triton.jit
@@ -459,8 +470,8 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
                           stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
                           SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from every segment's counts;
-    segment s's columns above b go straight to the output (after those of the segments before it), its columns in
+    """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from the counts of the segments
+    holding its columns; segment s's columns above b go straight to the output (after those of the segments before it), its columns in
     b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last program to arrive
     (no program waits on another: CUDA-graph safe) selects the rest of the top k among the candidates, then pads.
     With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
@@ -470,15 +481,10 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     dst_keys = out_keys + row * k
-    bins = tl.arange(0, RADIX_BINS)
     hist_row = hist + row * n_segments * RADIX_BINS
-    at_least = tl.zeros((RADIX_BINS,), tl.int32)
-    for s0 in range(0, n_segments, SEGMENTS_BLOCK):
-        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-        at_least += tl.sum(tl.load(hist_row + s[:, None] * RADIX_BINS + bins[None, :], mask=s[:, None] < n_segments,
-                                   other=0), axis=0)
-    b, above_total, in_bin_total = _boundary_bin(at_least, take)
-    if (take > 0) & (segment * SEGMENT < length):  # a segment past the row's length has nothing to move
+    used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
+    if (take > 0) & (segment < used):
+        b, _, _ = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
         above_before = tl.zeros((), tl.int32)
         in_bin_before = tl.zeros((), tl.int32)
         segments_above = tl.where(b + 1 < RADIX_BINS, segment, 0)  # (no bin above the last)
@@ -494,6 +500,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     tl.debug_barrier()
     if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
         if take > 0:
+            _, above_total, in_bin_total = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
                                shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
         _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
