@@ -71,7 +71,8 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     time a launch on the H200 machine, on every step of a serving loop; BENCHMARKS.md, host cost). The key here holds
     what Triton specialises on (``_argument_key``, the keywords: constexprs and launch options), so a repeated key
     runs the kernel Triton compiled for its first call, through Triton's own launcher and launch hooks. CUDA only:
-    ROCm's Triton also specialises on buffer sizes; the interpreter takes Triton's path too."""
+    ROCm's Triton also specialises on buffer sizes; the interpreter takes Triton's path too. The module constants a
+    kernel reads are taken as fixed for the process (Triton's path rejects a changed one; this one does not look)."""
     if interpreted(kernel) or torch.version.hip is not None or not _CUDA_AVAILABLE:
         kernel[grid](*args, **keywords)
         return

@@ -471,10 +471,10 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
                           PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
                           SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from the counts of the segments
-    holding its columns; segment s's columns above b go straight to the output (after those of the segments before it), its columns in
-    b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last program to arrive
-    (no program waits on another: CUDA-graph safe) selects the rest of the top k among the candidates, then pads.
-    With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
+    holding its columns; segment s's columns above b go straight to the output (after those of the segments before
+    it), its columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last
+    program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top k among the
+    candidates, then pads. With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     segment = tl.program_id(1)
