@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 QUANT_BLOCK = 128
@@ -14,10 +12,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 ROTATED_QUANT_BLOCKS = (16, 32, 64, 128)
 
 
-@functools.cache
 def fp8_max(dtype: torch.dtype) -> float:
-    """The fp8 type's own largest finite value: 448 for e4m3fn, 240 for e4m3fnuz (``torch.finfo`` costs
-    microseconds on every launch that asks)."""
+    """The fp8 type's own largest finite value: 448 for e4m3fn, 240 for e4m3fnuz."""
     if dtype not in FP8_DTYPES:
         raise ValueError(f"fp8 dtype must be one of {FP8_DTYPES}, got {dtype}")
     return float(torch.finfo(dtype).max)

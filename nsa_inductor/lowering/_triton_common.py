@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..layout import HEAD_DIM
-from ..quant import AMAX_FLOOR
+from ..quant import AMAX_FLOOR, fp8_max
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
@@ -230,9 +230,11 @@ def scale_constants(scale: float, divide: bool) -> dict:
 
 
 @functools.cache
-def quantize_constants(fp8_dtype: torch.dtype, fmax: float, scale_fmt: str) -> dict:
-    """The constexpr arguments of :func:`quantize_rows` for one fp8 type, clamp bound and scale format (once each:
-    finfo and numpy cost microseconds per call; callers unpack the dict, never change it)."""
+def quantize_constants(fp8_dtype: torch.dtype, fmax: float | None, scale_fmt: str) -> dict:
+    """The constexpr arguments of :func:`quantize_rows` for one fp8 type, clamp bound (``None``: the type's own
+    largest value) and scale format (once each: finfo and numpy cost microseconds per call; callers unpack the dict,
+    never change it). (``fp8_max`` itself stays uncached: Dynamo traces it in act_quant, and warns on caches.)"""
+    fmax = fp8_max(fp8_dtype) if fmax is None else fmax
     return {"FMAX": fmax, "INV_FMAX": float(np.float32(1.0) / np.float32(fmax)), "UE8M0": scale_fmt == "ue8m0",
             "MIN_EXP": 1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
             "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn,

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant import fp8_max
 from .._triton_common import (cdiv, fp8_values, interpreted, launch, layer_norm_rows, load_split_sum, no_fma,
                               quantize_constants, quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16,
                               scale_constants, scale_offsets, scale_rows, value_offsets)
@@ -150,5 +149,5 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
            NO_FMA=no_fma(kernel), LAYER_NORM=layer_norm, ROUND_K=round_k, ROTATE=rotation is not None,
            SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
            **scale_constants(input_scale, input_divide), ROUND_TO=_ROUND_TO[input_dtype], PAGE_SIZE=page_size,
-           PRESHUFFLE=preshuffle, **quantize_constants(fp8_dtype, fp8_max(fp8_dtype), scale_fmt),
+           PRESHUFFLE=preshuffle, **quantize_constants(fp8_dtype, None, scale_fmt),
            ON_GPU=not interpreted(kernel), BLOCK_T=block_t, SCAN_BLOCK=128, num_warps=4)
