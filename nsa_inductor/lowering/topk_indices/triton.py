@@ -437,15 +437,31 @@ def _compact(src, col, length, b, dst, dst_keys, above_before, cand_cols, cand_k
 
 
 @triton.jit
-def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, HAS_LENGTHS: tl.constexpr,
-                            SEGMENT: tl.constexpr):
+def _take_all(src, col, length, dst, dst_keys, shift_cols, NEG1: tl.constexpr, WRITE_KEYS: tl.constexpr):
+    """A row of at most k columns takes them all, with no histogram or select: its columns ``col`` (those below
+    ``length``) to their own slots, as column minus ``shift_cols`` (-1 for -inf with NEG1; with WRITE_KEYS their
+    keys beside them)."""
+    valid = col < length
+    x = tl.load(src + col, mask=valid, other=0.0)
+    index = col - shift_cols.to(tl.int32)
+    if NEG1:
+        index = tl.where(x == float("-inf"), -1, index)
+    tl.store(dst + col, index, mask=valid)
+    if WRITE_KEYS:
+        tl.store(dst_keys + col, _order_key(x).to(tl.int32, bitcast=True), mask=valid)
+
+
+@triton.jit
+def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, k,
+                            HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr):
     """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
-    ``hist[row, s]`` (segments past the row's length, as in an engine's max_model_len-wide rows, have no columns:
-    nothing is counted or read for them); program (row, 0) zeroes the row's arrival count for the compaction launch."""
+    ``hist[row, s]`` (segments past the row's length, as in an engine's max_model_len-wide rows, have no columns,
+    and a row of at most k columns takes them all: nothing is counted or read for them); program (row, 0) zeroes the
+    row's arrival count for the compaction launch."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    if segment * SEGMENT < length:
+    if (segment * SEGMENT < length) & (length > k):
         at_least = _at_least(_digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT),
                                            length))
         tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), at_least)
@@ -474,7 +490,8 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     holding its columns; segment s's columns above b go straight to the output (after those of the segments before
     it), its columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last
     program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top k among the
-    candidates, then pads. With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
+    candidates, then pads. A row of at most k columns takes them all (``_take_all``). With WRITE_KEYS every output
+    entry's key goes to ``out_keys`` (for the rank sort)."""
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     segment = tl.program_id(1)
@@ -483,7 +500,11 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     dst_keys = out_keys + row * k
     hist_row = hist + row * n_segments * RADIX_BINS
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
-    if (take > 0) & (segment < used):
+    selects = length > k
+    if (segment < used) & (length <= k):
+        _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
+                  WRITE_KEYS)
+    if (segment < used) & selects:
         b, _, _ = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
         above_before = tl.zeros((), tl.int32)
         in_bin_before = tl.zeros((), tl.int32)
@@ -499,7 +520,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
     tl.debug_barrier()
     if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
-        if take > 0:
+        if selects:
             _, above_total, in_bin_total = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
                                shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
@@ -539,14 +560,17 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
     its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
-    among those, the padding. Programs take the rows last first: a causal prefill's longest rows start first, its
-    shortest fill the last wave."""
+    among those (a row of at most k columns: all of them, ``_take_all``), the padding. Programs take the rows last
+    first: a causal prefill's longest rows start first, its shortest fill the last wave."""
     row, src, length, take, dst, shift_cols = _row_start(tl.num_programs(0) - 1 - tl.program_id(0), logits, lengths,
                                                          offset, out, n_cols, stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     pos = tl.arange(0, CHUNK)
-    if take > 0:
+    if length <= k:
+        for start in range(0, length, CHUNK):
+            _take_all(src, start + pos, length, dst, dst, shift_cols, not PAD_COLUMNS, False)
+    if length > k:
         counts = tl.zeros((RADIX_BINS,), tl.int32)
         for start in range(0, length, CHUNK):
             counts += _digit_counts(src, start + pos, length)
@@ -698,7 +722,7 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
-    launch(_radix_histogram_kernel, (rows, segments), logits, lengths, hist, arrivals, n_cols, stride, segments,
+    launch(_radix_histogram_kernel, (rows, segments), logits, lengths, hist, arrivals, n_cols, stride, segments, k,
            HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, num_warps=4)
     launch(_radix_compact_kernel, (rows, segments), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
            out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
