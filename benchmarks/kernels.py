@@ -284,6 +284,7 @@ def _xgemm_name(key) -> str:
 
 TOPK_CASES = [("decode", 64, 8192, None), ("decode", 8, 8192, None), ("decode", 1, 32768, None),
               ("decode", 64, 65536, None), ("decode ~8192 valid", 64, 65536, 8192),
+              ("decode ~1536 valid (rows taken whole)", 64, 65536, 1536),
               ("causal prefill", 8192, 8192, "causal")]
 
 
