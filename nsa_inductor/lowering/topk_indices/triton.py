@@ -500,7 +500,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     dst_keys = out_keys + row * k
     hist_row = hist + row * n_segments * RADIX_BINS
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
-    selects = length > k
+    selects = length > k  # else the row's columns are its top k, each to its own slot
     if (segment < used) & (length <= k):
         _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
                   WRITE_KEYS)
