@@ -500,11 +500,10 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     dst_keys = out_keys + row * k
     hist_row = hist + row * n_segments * RADIX_BINS
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
-    selects = length > k  # else the row's columns are its top k, each to its own slot
-    if (segment < used) & (length <= k):
+    if (segment < used) & (length <= k):  # the row's columns are its top k, each to its own slot
         _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
                   WRITE_KEYS)
-    if (segment < used) & selects:
+    elif segment < used:
         b, _, _ = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
         above_before = tl.zeros((), tl.int32)
         in_bin_before = tl.zeros((), tl.int32)
@@ -520,7 +519,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
     tl.debug_barrier()
     if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
-        if selects:
+        if length > k:
             _, above_total, in_bin_total = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
                                shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
@@ -570,7 +569,7 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
     if length <= k:
         for start in range(0, length, CHUNK):
             _take_all(src, start + pos, length, dst, dst, shift_cols, not PAD_COLUMNS, False)
-    if length > k:
+    else:
         counts = tl.zeros((RADIX_BINS,), tl.int32)
         for start in range(0, length, CHUNK):
             counts += _digit_counts(src, start + pos, length)
