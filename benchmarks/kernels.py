@@ -322,7 +322,8 @@ def bench_topk(args, rows: list[dict]) -> None:
                 p: graph_us(lambda p=p: tk.topk_indices(logits, k, lengths, None, "neg1", sort, path=p))
                 for p in tk.PATHS if p != path}
             config = {"radix_split": "radix_split: segment {}, candidate block {}".format(*tk.radix_sizes(batch, width)),
-                      "radix_row": f"radix_row: chunk {tk.radix_row_chunk(batch)}, candidate block {tk.RADIX_ROW_BLOCK}",
+                      "radix_row": f"radix_row: chunk {tk.radix_row_chunk(batch, lengths is not None)}, "
+                                   f"candidate block {tk.RADIX_ROW_BLOCK}",
                       "bisect": f"bisect: block {block}, segments {tk.segments_for(width, k, block)}"}[path]
             rows.append({**_bandwidth_row("topk_indices", f"{name} {batch}x{width} ({order})", results[chosen],
                                           torch_us, nbytes),

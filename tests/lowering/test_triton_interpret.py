@@ -424,11 +424,12 @@ def test_topk_indices_refuses_a_sort_its_path_cannot_make():
 @child_only
 @pytest.mark.parametrize("k", [0, 1, 6, 7, 8, 20])
 def test_topk_indices_kernel_at_length_edges(k):
-    """Lengths 0, 1, k-1, k, k+1 and N in one batch, -inf values inside them (-1 with the neg1 pad, also where a
-    row has at most k columns), both pads, both orders, every path, every way each path makes the sorted order."""
+    """Lengths 0, 1, k-1, k, k+1 and N in one batch, and one past a sort chunk's first slot (9, 17: a chunk holding
+    one entry to sort), -inf values inside them (-1 with the neg1 pad, also where a row has at most k columns), both
+    pads, both orders, every path, every way each path makes the sorted order."""
     cols = 20
-    lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols], dtype=torch.int32)
-    logits = adversarial_topk_logits(6, cols, "randn", k)
+    lengths = torch.tensor([0, 1, max(k - 1, 0), k, min(k + 1, cols), cols, 9, 17], dtype=torch.int32)
+    logits = adversarial_topk_logits(8, cols, "randn", k)
     logits[:, [0, 3]] = float("-inf")
     tk = _kernels("topk_indices")
     sizes = dict(block=8, segment=8, chunk=8, sort_chunk=8)

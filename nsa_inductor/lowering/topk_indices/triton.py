@@ -283,44 +283,60 @@ def _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS: tl.constexpr, K_POW2
 
 
 @triton.jit
+def _sorted_slots(lengths, row, n_cols, k, HAS_LENGTHS: tl.constexpr, PAD_COLUMNS: tl.constexpr):
+    """Slots of a row's k that the sort has to order: all, or with the neg1 pad those below the row's take (the
+    slots from there hold -1, where the sort would leave them: a causal prefill's first k rows, short contexts)."""
+    if PAD_COLUMNS:
+        return k
+    return tl.minimum(k, _row_length(lengths, row, n_cols, HAS_LENGTHS))
+
+
+@triton.jit
 def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, stride_row, k, n_chunks,
                         HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
                         CHUNK: tl.constexpr):
     """Program (row, c): entries [c*CHUNK, (c+1)*CHUNK) of the row's k as sort keys, sorted descending, to
-    ``sorted_chunks[row, c]``."""
+    ``sorted_chunks[row, c]``; nothing for a chunk past the slots to sort (``_sorted_slots``)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    shift_cols = _row_shift(offset, row, HAS_OFFSET)
-    slots = chunk * CHUNK + tl.arange(0, CHUNK)
-    packed = _sort_keys(out + row * k, logits + row * stride_row, slots, k, length, shift_cols, PAD_COLUMNS)
-    tl.store(sorted_chunks + (row * n_chunks + chunk) * CHUNK + tl.arange(0, CHUNK), tl.sort(packed, descending=True))
+    if chunk * CHUNK < _sorted_slots(lengths, row, n_cols, k, HAS_LENGTHS, PAD_COLUMNS):
+        length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+        shift_cols = _row_shift(offset, row, HAS_OFFSET)
+        slots = chunk * CHUNK + tl.arange(0, CHUNK)
+        packed = _sort_keys(out + row * k, logits + row * stride_row, slots, k, length, shift_cols, PAD_COLUMNS)
+        tl.store(sorted_chunks + (row * n_chunks + chunk) * CHUNK + tl.arange(0, CHUNK),
+                 tl.sort(packed, descending=True))
 
 
 @triton.jit
-def _merge_chunks_kernel(sorted_chunks, out, k, n_chunks, CHUNK: tl.constexpr, PART: tl.constexpr,
+def _merge_chunks_kernel(sorted_chunks, lengths, out, n_cols, k, n_chunks, HAS_LENGTHS: tl.constexpr,
+                         PAD_COLUMNS: tl.constexpr, CHUNK: tl.constexpr, PART: tl.constexpr,
                          CHUNKS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """Program (row, c, p): each entry of part p (PART entries) of sorted chunk c goes to its rank in the row, its
     position in c plus, per other chunk, the entries above it there (a binary search; equal keys, the -1 entries,
-    count as above in earlier chunks); the ranks are a permutation of the row's slots. (Parts: more programs, each
-    with fewer searches in flight, where there are few rows.)"""
+    count as above in earlier chunks); the ranks are a permutation of the row's slots. Chunks past the slots to sort
+    (all -1, ``_sorted_slots``) are neither placed (their ranks are their own slots) nor searched (nothing in them is
+    above any entry). (Parts: more programs, each with fewer searches in flight, where there are few rows.)"""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    base = sorted_chunks + row * n_chunks * CHUNK
-    pos = tl.program_id(2) * PART + tl.arange(0, PART)
-    mine = tl.load(base + chunk * CHUNK + pos)
-    other = tl.arange(0, CHUNKS_POW2)
-    searched = (other < n_chunks) & (other != chunk)
-    lo = tl.zeros((PART, CHUNKS_POW2), tl.int32)
-    hi = tl.where(searched, CHUNK, 0)[None, :] + lo
-    for _ in tl.static_range(SEARCH_STEPS):  # the prefix of chunk `other` above `mine`: its length in [0, CHUNK]
-        mid = (lo + hi) >> 1
-        x = tl.load(base + other[None, :] * CHUNK + tl.minimum(mid, CHUNK - 1), mask=searched[None, :], other=0)
-        above = tl.where(other[None, :] < chunk, x >= mine[:, None], x > mine[:, None]) & (mid < hi)
-        lo = tl.where(above, mid + 1, lo)
-        hi = tl.where(above, hi, mid)
-    rank = pos + tl.sum(lo, axis=1)
-    tl.store(out + row * k + rank, tl.where(mine == EMPTY, -1, (mine & 0xFFFFFFFF).to(tl.int32)), mask=rank < k)
+    n_sorted = _sorted_slots(lengths, row, n_cols, k, HAS_LENGTHS, PAD_COLUMNS)
+    if chunk * CHUNK < n_sorted:
+        base = sorted_chunks + row * n_chunks * CHUNK
+        pos = tl.program_id(2) * PART + tl.arange(0, PART)
+        mine = tl.load(base + chunk * CHUNK + pos)
+        other = tl.arange(0, CHUNKS_POW2)
+        searched = (other * CHUNK < n_sorted) & (other != chunk)
+        lo = tl.zeros((PART, CHUNKS_POW2), tl.int32)
+        hi = tl.where(searched, CHUNK, 0)[None, :] + lo
+        for _ in tl.static_range(SEARCH_STEPS):  # the prefix of chunk `other` above `mine`: its length in [0, CHUNK]
+            mid = (lo + hi) >> 1
+            x = tl.load(base + other[None, :] * CHUNK + tl.minimum(mid, CHUNK - 1), mask=searched[None, :], other=0)
+            above = tl.where(other[None, :] < chunk, x >= mine[:, None], x > mine[:, None]) & (mid < hi)
+            lo = tl.where(above, mid + 1, lo)
+            hi = tl.where(above, hi, mid)
+        rank = pos + tl.sum(lo, axis=1)
+        tl.store(out + row * k + rank, tl.where(mine == EMPTY, -1, (mine & 0xFFFFFFFF).to(tl.int32)),
+                 mask=rank < k)
 
 
 @triton.jit
@@ -631,10 +647,11 @@ def path_for(rows: int, n_cols: int, k: int) -> str:
     return "radix_row" if rows >= RADIX_ROW_MIN_ROWS else "bisect"
 
 
-def radix_row_chunk(rows: int) -> int:
-    """Columns per step of the one-launch radix path's histogram and compaction: 1024 from 2048 rows (more programs
-    per SM), else 2048 (fewer steps per row; BENCHMARKS.md, top-k)."""
-    return 1024 if rows >= 2048 else 2048
+def radix_row_chunk(rows: int, ragged: bool) -> int:
+    """Columns per step of the one-launch radix path's histogram and compaction: 1024 for 2048+ rows with lengths
+    (``ragged``, as a causal prefill's), else 2048 (fewer steps per row: faster on rows of one width, as rows without
+    lengths are; BENCHMARKS.md, top-k)."""
+    return 1024 if ragged and rows >= 2048 else 2048
 
 
 def radix_capacity(n_cols: int) -> int:
@@ -686,8 +703,9 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         if sort == "ranks":
             _sort_by_ranks(selected, keys, out)
     else:
-        _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags, chunk or radix_row_chunk(rows),
-                        block or RADIX_ROW_BLOCK, capacity, num_warps)
+        _radix_row_topk(logits, k, lengths_arg, offset_arg, out, flags,
+                        chunk or radix_row_chunk(rows, flags["HAS_LENGTHS"]), block or RADIX_ROW_BLOCK, capacity,
+                        num_warps)
     if sort == "chunks":
         _sort_by_chunks(logits, k, lengths_arg, offset_arg, out, flags, sort_chunk)
     return out
@@ -758,5 +776,6 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     launch(_sort_chunks_kernel, (rows, n_chunks), logits, lengths, offset, out, sorted_chunks, n_cols, logits.stride(0),
            k, n_chunks, CHUNK=chunk, num_warps=4, **flags)
     part = min(chunk, MERGE_PART)
-    launch(_merge_chunks_kernel, (rows, n_chunks, chunk // part), sorted_chunks, out, k, n_chunks, CHUNK=chunk,
-           PART=part, CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(), num_warps=4)
+    launch(_merge_chunks_kernel, (rows, n_chunks, chunk // part), sorted_chunks, lengths, out, n_cols, k, n_chunks,
+           HAS_LENGTHS=flags["HAS_LENGTHS"], PAD_COLUMNS=flags["PAD_COLUMNS"], CHUNK=chunk, PART=part,
+           CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(), num_warps=4)
