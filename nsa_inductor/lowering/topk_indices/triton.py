@@ -46,10 +46,12 @@ RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 8 and 16)
 # The two-launch sort (sorted order of more survivors than one chunk): entries per chunk sorted in registers (512
-# beat 256 and 1024 at 1-64 rows), and per program that places them (with one program per chunk the merge was a B=1
-# step's slowest kernel; BENCHMARKS.md, top-k).
+# beat 256 and 1024 at 1-64 rows and in a causal prefill), and per program that places them (with one program per
+# chunk the merge was a B=1 step's slowest kernel), twice as many from MERGE_MANY_ROWS rows (fewer programs where
+# every SM is busy anyway; BENCHMARKS.md, top-k).
 SORT_CHUNK = 512
 MERGE_PART = 64
+MERGE_MANY_ROWS = 512
 # The rank sort (`_rank_sort_kernel`: sorted order of up to RANK_SORT_MAX_ROWS rows on the split radix path, which
 # writes the keys it needs): entries per program, entries compared per step, warps (BENCHMARKS.md, top-k).
 RANK_SORT_MAX_ROWS = 4
@@ -775,7 +777,7 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     sorted_chunks = torch.empty(rows, n_chunks, chunk, dtype=torch.int64, device=logits.device)
     launch(_sort_chunks_kernel, (rows, n_chunks), logits, lengths, offset, out, sorted_chunks, n_cols, logits.stride(0),
            k, n_chunks, CHUNK=chunk, num_warps=4, **flags)
-    part = min(chunk, MERGE_PART)
+    part = min(chunk, MERGE_PART if rows < MERGE_MANY_ROWS else 2 * MERGE_PART)
     launch(_merge_chunks_kernel, (rows, n_chunks, chunk // part), sorted_chunks, lengths, out, n_cols, k, n_chunks,
            HAS_LENGTHS=flags["HAS_LENGTHS"], PAD_COLUMNS=flags["PAD_COLUMNS"], CHUNK=chunk, PART=part,
            CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(), num_warps=4)
