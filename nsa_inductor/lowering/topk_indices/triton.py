@@ -285,12 +285,12 @@ def _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS: tl.constexpr, K_POW2
 
 
 @triton.jit
-def _sorted_slots(lengths, row, n_cols, k, HAS_LENGTHS: tl.constexpr, PAD_COLUMNS: tl.constexpr):
+def _sorted_slots(k, length, PAD_COLUMNS: tl.constexpr):
     """Slots of a row's k that the sort has to order: all, or with the neg1 pad those below the row's take (the
     slots from there hold -1, where the sort would leave them: a causal prefill's first k rows, short contexts)."""
     if PAD_COLUMNS:
         return k
-    return tl.minimum(k, _row_length(lengths, row, n_cols, HAS_LENGTHS))
+    return tl.minimum(k, length)
 
 
 @triton.jit
@@ -301,8 +301,8 @@ def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, str
     ``sorted_chunks[row, c]``; nothing for a chunk past the slots to sort (``_sorted_slots``)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    if chunk * CHUNK < _sorted_slots(lengths, row, n_cols, k, HAS_LENGTHS, PAD_COLUMNS):
-        length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    if chunk * CHUNK < _sorted_slots(k, length, PAD_COLUMNS):
         shift_cols = _row_shift(offset, row, HAS_OFFSET)
         slots = chunk * CHUNK + tl.arange(0, CHUNK)
         packed = _sort_keys(out + row * k, logits + row * stride_row, slots, k, length, shift_cols, PAD_COLUMNS)
@@ -321,7 +321,7 @@ def _merge_chunks_kernel(sorted_chunks, lengths, out, n_cols, k, n_chunks, HAS_L
     above any entry). (Parts: more programs, each with fewer searches in flight, where there are few rows.)"""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    n_sorted = _sorted_slots(lengths, row, n_cols, k, HAS_LENGTHS, PAD_COLUMNS)
+    n_sorted = _sorted_slots(k, _row_length(lengths, row, n_cols, HAS_LENGTHS), PAD_COLUMNS)
     if chunk * CHUNK < n_sorted:
         base = sorted_chunks + row * n_chunks * CHUNK
         pos = tl.program_id(2) * PART + tl.arange(0, PART)
