@@ -34,7 +34,8 @@ ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
 EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
 RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_digit`)
-INTERPOLATION_STEPS = tl.constexpr(12)  # of the radix select's search, before it halves (`_select`)
+INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search, before it halves (`_select`)
+HALVING_STEPS = tl.constexpr(8)  # of the select's search on a whole row's keys, before it interpolates (2-31)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
@@ -159,54 +160,69 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
 
     # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
     # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
-    # hi == lo + 1 (lo, the bound, is the take-th key; above_bound of the keys are above it). With ONE_BIN (keys
-    # spread evenly over a narrow range) the first INTERPOLATION_STEPS trials go where the two counts say the
-    # take-th key lies, then the bracket halves (ties); else it halves on the key bits from the top, the cheapest
-    # step where interpolation does not pay (BENCHMARKS.md, top-k). With fewer than `take` values above -inf it is
-    # over at once: the -inf entries are the ties at the bound; take = 0 starts at the highest key: nothing is above
-    # it, and no tie is needed.
+    # hi == lo + 1 (lo, the bound, is the take-th key; above_bound of the keys are above it). The bracket starts as
+    # the keys' range with ONE_BIN (one radix bin's keys, close together), else after HALVING_STEPS halvings on the
+    # key bits from the top (the sign and the exponent's top bits: two octaves, where keys are near linear in the
+    # values). The first INTERPOLATION_STEPS trials go where the two counts say the take-th key lies (regula falsi;
+    # without ONE_BIN, where one end stays twice its count's weight is halved, the Illinois rule, so skewed values or
+    # ties still close in a few trials), then the bracket halves. With fewer than `take` values above -inf it is over
+    # at once: the -inf entries are the ties at the bound; take = 0 starts at the highest key: nothing is above it,
+    # and no tie is needed.
     n_valid = n_pos
     if COUNT_VALID:
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
     n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
     searching = (take > 0) & (n_finite >= take)
-    settled = tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF).to(tl.int64)  # the bound where no search runs
+    settled = tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF).to(tl.uint32)  # the bound where no search runs
     above_bound = tl.where(n_finite < take, n_finite, 0)
     if ONE_BIN:
         lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
-        lo = tl.where(searching, tl.maximum(lowest.to(tl.int64), KEY_NEG_INF + 1), settled)
-        hi = highest.to(tl.int64) + 1
+        lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
+        width = (highest - lo).to(tl.int32) + 1  # (below 2^31: the widest bin, 3, spans ~2^30 keys)
         at_bound = tl.where(searching, n_finite, n_valid)
-        go = searching & (at_bound != take) & (hi - lo > 1)
-        step = 0
-        while go:
-            if step < INTERPOLATION_STEPS:
-                share = (at_bound - take).to(tl.float32) / (at_bound - above_bound).to(tl.float32)
-                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
-            else:
-                trial = (lo + hi) >> 1
-            trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
-            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32), GATHER, BLOCK, ONE_BLOCK)
-            lo = tl.where(count >= take, trial, lo)
-            at_bound = tl.where(count >= take, count, at_bound)
-            hi = tl.where(count >= take, hi, trial)
-            above_bound = tl.where(count >= take, above_bound, count)
-            go = (at_bound != take) & (hi - lo > 1)
-            step += 1
-        bound = lo.to(tl.uint32)
-    else:  # halving on the key bits from the top: hi = bound + 2^(shift + 1)
-        bound = tl.where(searching, 0, settled).to(tl.uint32)
+    else:  # halving on the key bits from the top: the bracket is [lo, lo + 2^(shift + 1))
+        lo = tl.where(searching, 0, settled).to(tl.uint32)
         at_bound = n_valid
         shift = tl.full((), 31, tl.uint32)
-        go = searching & (at_bound != take)
-        while go:
-            trial = bound | (tl.full((), 1, tl.uint32) << shift)
-            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
-            bound = tl.where(count >= take, trial, bound)
-            above_bound = tl.where(count >= take, above_bound, count)
-            at_bound = tl.where(count >= take, count, at_bound)
-            go = (at_bound != take) & (shift > 0)
-            shift -= 1
+        for _ in tl.static_range(HALVING_STEPS):
+            if searching & (at_bound != take):
+                trial = lo | (tl.full((), 1, tl.uint32) << shift)
+                count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+                lo = tl.where(count >= take, trial, lo)
+                above_bound = tl.where(count >= take, above_bound, count)
+                at_bound = tl.where(count >= take, count, at_bound)
+                shift -= 1
+        width = (tl.full((), 2, tl.uint32) << shift).to(tl.int32)  # 2 to 2^30 where the search goes on
+    # lo and the bracket's width in 32 bits (lo + width may be 2^32); the trials as offsets from lo
+    go = searching & (at_bound != take) & (width > 1)
+    excess_lo = (at_bound - take).to(tl.float32)  # the counts' distances from take at the ends, as weighed
+    excess_hi = (above_bound - take).to(tl.float32)
+    kept = tl.zeros((), tl.int32)  # which end the last trial moved: 1 lo, -1 hi
+    decay = 0.5  # the Illinois rule's weight
+    if ONE_BIN:
+        decay = 1.0
+    step = 0
+    while go:
+        if step < INTERPOLATION_STEPS:
+            share = tl.fdiv(excess_lo, excess_lo - excess_hi, ieee_rounding=False)
+            offset = (width.to(tl.float32) * share).to(tl.int32)
+        else:
+            offset = width >> 1
+        offset = tl.minimum(tl.maximum(offset, 1), width - 1)
+        count = _count_at_least(src, cand_keys, u0, pos, n_pos, lo + offset.to(tl.uint32), GATHER, BLOCK,
+                                ONE_BLOCK)
+        raised = count >= take
+        lo = tl.where(raised, lo + offset.to(tl.uint32), lo)
+        width = tl.where(raised, width - offset, offset)
+        at_bound = tl.where(raised, count, at_bound)
+        above_bound = tl.where(raised, above_bound, count)
+        excess = (count - take).to(tl.float32)
+        excess_lo = tl.where(raised, excess, tl.where(kept < 0, decay * excess_lo, excess_lo))
+        excess_hi = tl.where(raised, tl.where(kept > 0, decay * excess_hi, excess_hi), excess)
+        kept = tl.where(raised, 1, -1)
+        go = (at_bound != take) & (width > 1)
+        step += 1
+    bound = lo
 
     # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
     exact = at_bound == take
