@@ -3,13 +3,14 @@ pre-filter that leaves the bisection a few hundred candidates, spread over many 
 one program per row for many rows.
 
 Why three paths: a row costs its CTA-wide counts and per-element work, not its bytes (a row of 8192 fp32 is 32 KB).
-The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per key bit until the keys at
-or above the bound are exactly the ones wanted (a longer row is split: one program per segment selects its top k,
-then one per row among those); it needs the whole row in registers, so few programs fit an SM. The radix pre-filter
-takes a histogram of an 8-bit digit, writes the columns above the boundary bin at once and compacts those in it, and
-searches among those candidates only: in two launches over (row, segment) programs where rows are few (every SM
-busy; the row's last program to finish its compaction selects), in one launch of one program per row streaming the
-row in chunks where rows are many (small programs, many per SM). No program waits on another (CUDA-graph safe).
+The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per trial bound (halving the
+key's top bits, then interpolating) until the keys at or above the bound are exactly the ones wanted (a longer row
+is split: one program per segment selects its top k, then one per row among those); it needs the whole row in
+registers, so few programs fit an SM. The radix pre-filter takes a histogram of an 8-bit digit, writes the columns
+above the boundary bin at once and compacts those in it, and searches among those candidates only: in two launches
+over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its compaction
+selects), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
+per SM). No program waits on another (CUDA-graph safe).
 Costs on the H200: BENCHMARKS.md, top-k.
 """
 
