@@ -185,14 +185,15 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         lo = tl.where(searching, 0, settled).to(tl.uint32)
         at_bound = n_valid
         shift = tl.full((), 31, tl.uint32)
-        for _ in tl.static_range(HALVING_STEPS):
-            if searching & (at_bound != take):
-                trial = lo | (tl.full((), 1, tl.uint32) << shift)
-                count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
-                lo = tl.where(count >= take, trial, lo)
-                above_bound = tl.where(count >= take, above_bound, count)
-                at_bound = tl.where(count >= take, count, at_bound)
-                shift -= 1
+        halving = searching & (at_bound != take)
+        while halving:
+            trial = lo | (tl.full((), 1, tl.uint32) << shift)
+            count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
+            lo = tl.where(count >= take, trial, lo)
+            above_bound = tl.where(count >= take, above_bound, count)
+            at_bound = tl.where(count >= take, count, at_bound)
+            shift -= 1
+            halving = (at_bound != take) & (shift > 31 - HALVING_STEPS)
         width = (tl.full((), 2, tl.uint32) << shift).to(tl.int32)  # 2 to 2^30 where the search goes on
     # lo and the bracket's width in 32 bits (lo + width may be 2^32); the trials as offsets from lo
     go = searching & (at_bound != take) & (width > 1)
