@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -371,14 +372,10 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
     offset = -torch.arange(rows)
     out = torch.full((rows, k), 12345, dtype=torch.int32)
     tk = _kernels("topk_indices")
-    default_steps = tk.HALVING_STEPS
-    if halving_steps is not None:
-        tk.HALVING_STEPS = type(default_steps)(halving_steps)
-    try:
+    steps = tk.HALVING_STEPS if halving_steps is None else type(tk.HALVING_STEPS)(halving_steps)
+    with mock.patch.object(tk, "HALVING_STEPS", steps):
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block, path="bisect",
                               sort_chunk=sort_chunk)
-    finally:
-        tk.HALVING_STEPS = default_steps
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
 
 
@@ -406,15 +403,12 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
     offset = -torch.arange(rows)
     guarded = torch.full((rows + 2, k), 12345, dtype=torch.int32)
     tk = _kernels("topk_indices")
-    default_part, tk.MERGE_PART = tk.MERGE_PART, merge_part
-    default_steps = tk.INTERPOLATION_STEPS
+    constants = {"MERGE_PART": merge_part}
     if interpolation_steps is not None:
-        tk.INTERPOLATION_STEPS = type(default_steps)(interpolation_steps)
-    try:
+        constants["INTERPOLATION_STEPS"] = type(tk.INTERPOLATION_STEPS)(interpolation_steps)
+    with mock.patch.multiple(tk, **constants):
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
                               segment=segment, chunk=segment, capacity=capacity, sort=sort, sort_chunk=sort_chunk)
-    finally:
-        tk.MERGE_PART, tk.INTERPOLATION_STEPS = default_part, default_steps
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
     assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 

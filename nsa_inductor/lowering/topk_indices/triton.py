@@ -211,10 +211,10 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         else:
             offset = width >> 1
         offset = tl.minimum(tl.maximum(offset, 1), width - 1)
-        count = _count_at_least(src, cand_keys, u0, pos, n_pos, lo + offset.to(tl.uint32), GATHER, BLOCK,
-                                ONE_BLOCK)
+        trial = lo + offset.to(tl.uint32)
+        count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
         raised = count >= take
-        lo = tl.where(raised, lo + offset.to(tl.uint32), lo)
+        lo = tl.where(raised, trial, lo)
         width = tl.where(raised, width - offset, offset)
         at_bound = tl.where(raised, count, at_bound)
         above_bound = tl.where(raised, above_bound, count)
