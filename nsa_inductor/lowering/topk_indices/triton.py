@@ -6,7 +6,7 @@ Why three paths: a row costs its CTA-wide counts and per-element work, not its b
 The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per trial bound (halving the
 key's top bits, then interpolating) until the keys at or above the bound are exactly the ones wanted (a longer row
 is split: one program per segment selects its top k, then one per row among those); it needs the whole row in
-registers, so few programs fit an SM. The radix pre-filter takes a histogram of an 8-bit digit, writes the columns
+registers, so few programs fit an SM. The radix pre-filter takes a histogram of a 7-bit digit, writes the columns
 above the boundary bin at once and compacts those in it, and searches among those candidates only: in two launches
 over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its compaction
 selects), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
@@ -34,7 +34,7 @@ PATHS = ("bisect", "radix_split", "radix_row")
 ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
 EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
-RADIX_BINS = tl.constexpr(256)  # bins of the radix pre-filter's digit (`_radix_digit`)
+RADIX_BINS = tl.constexpr(128)  # bins of the radix pre-filter's digit (`_radix_digit`)
 INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search, before it halves (`_select`)
 HALVING_STEPS = tl.constexpr(8)  # of the select's search on a whole row's keys, before it interpolates (2-31)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
@@ -416,13 +416,14 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
 
 @triton.jit
 def _radix_digit(x):
-    """Radix bin of x in [3, 255], monotone in ``_order_key``'s order: the top byte of the 16-bit order key of x
-    rounded to fp16 (a quarter octave per bin; -inf and values under -65504 in bin 3, NaN in 255). Bins 0-2
-    hold no value: the kernels put positions without a column there."""
+    """Radix bin of x in [1, 127], monotone in ``_order_key``'s order: the top 7 bits of the 16-bit order key of x
+    rounded to fp16 (half an octave per bin; -inf and values under -65504 in bin 1, NaN in 127). Bin 0 holds no
+    value: the kernels put positions without a column there. 7 bits, not 8: ``tl.histogram`` costs a ballot per
+    bit and a count per bin, more than the coarser bins' extra candidates cost (BENCHMARKS.md, top-k)."""
     h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     key = h ^ ((h >> 15) & 0x7FFF)  # signed, ordered like the fp16 values
     key = tl.where(x != x, 0x7FFF, key)
-    return (key + 0x8000) >> 8
+    return (key + 0x8000) >> 9
 
 
 @triton.jit
@@ -441,7 +442,7 @@ def _at_least(counts):
 @triton.jit
 def _boundary_bin(at_least, take):
     """From the count of a row's columns in each radix bin or above: its boundary bin b (the bin of its take-th
-    largest value; >= 3 where take >= 1, bins 0-2 holding no value), the columns above b, and those in b."""
+    largest value; >= 1 where take >= 1, bin 0 holding no value), the columns above b, and those in b."""
     bins = tl.arange(0, RADIX_BINS)
     b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1
     above = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
