@@ -6,7 +6,7 @@ Why three paths: a row costs its CTA-wide counts and per-element work, not its b
 The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per trial bound (halving the
 key's top bits, then interpolating) until the keys at or above the bound are exactly the ones wanted (a longer row
 is split: one program per segment selects its top k, then one per row among those); it needs the whole row in
-registers, so few programs fit an SM. The radix pre-filter takes a histogram of a 7-bit digit, writes the columns
+registers, so few programs fit an SM. The radix pre-filter takes a histogram of a digit, writes the columns
 above the boundary bin at once and compacts those in it, and searches among those candidates only: in two launches
 over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its compaction
 selects), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
@@ -34,7 +34,10 @@ PATHS = ("bisect", "radix_split", "radix_row")
 ROWS, SEGMENTS, CANDIDATES = 0, 1, 2
 KEY_NEG_INF = tl.constexpr(0x007FFFFF)  # _order_key(-inf): every key of a real value is >= this one
 EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below every selected key
-RADIX_BINS = tl.constexpr(128)  # bins of the radix pre-filter's digit (`_radix_digit`)
+# Bins of the radix digit (`_radix_digit`): 128 for one program per row (its histogram is most of its work), 256
+# where rows are split (the decode steps' own logits leave too many candidates in half-octave bins; BENCHMARKS.md)
+RADIX_ROW_BINS = 128
+RADIX_SPLIT_BINS = 256
 INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search, before it halves (`_select`)
 HALVING_STEPS = tl.constexpr(8)  # of the select's search on a whole row's keys, before it interpolates (2-31)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
@@ -415,22 +418,22 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
 
 
 @triton.jit
-def _radix_digit(x):
-    """Radix bin of x in [1, 127], monotone in ``_order_key``'s order: the top 7 bits of the 16-bit order key of x
-    rounded to fp16 (half an octave per bin; -inf and values under -65504 in bin 1, NaN in 127). Bin 0 holds no
-    value: the kernels put positions without a column there. 7 bits, not 8: ``tl.histogram`` costs a ballot per
-    bit and a count per bin, more than the coarser bins' extra candidates cost (BENCHMARKS.md, top-k)."""
+def _radix_digit(x, BINS: tl.constexpr):
+    """Radix bin of x in [0, BINS), monotone in ``_order_key``'s order: the top log2(BINS) bits of the 16-bit order
+    key of x rounded to fp16 (128 bins: half an octave each, 256: a quarter). -inf and values under -65504 fall in
+    the lowest bin holding a value (1 of 128, 3 of 256), NaN in the last; the bins below hold no value: the kernels
+    put positions without a column in bin 0. ``tl.histogram`` costs a ballot per digit bit and a count per bin."""
     h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     key = h ^ ((h >> 15) & 0x7FFF)  # signed, ordered like the fp16 values
     key = tl.where(x != x, 0x7FFF, key)
-    return (key + 0x8000) >> 9
+    return ((key + 0x8000) * BINS) >> 16
 
 
 @triton.jit
-def _digit_counts(src, col, length):
+def _digit_counts(src, col, length, BINS: tl.constexpr):
     """How many of the row's columns ``col`` (those below ``length``) fall in each radix bin."""
     x = tl.load(src + col, mask=col < length, other=0.0)
-    return tl.histogram(tl.where(col < length, _radix_digit(x), 0), RADIX_BINS)
+    return tl.histogram(tl.where(col < length, _radix_digit(x, BINS), 0), BINS)
 
 
 @triton.jit
@@ -440,10 +443,10 @@ def _at_least(counts):
 
 
 @triton.jit
-def _boundary_bin(at_least, take):
+def _boundary_bin(at_least, take, BINS: tl.constexpr):
     """From the count of a row's columns in each radix bin or above: its boundary bin b (the bin of its take-th
     largest value; >= 1 where take >= 1, bin 0 holding no value), the columns above b, and those in b."""
-    bins = tl.arange(0, RADIX_BINS)
+    bins = tl.arange(0, BINS)
     b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1
     above = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
     return b, above, tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above
@@ -451,13 +454,13 @@ def _boundary_bin(at_least, take):
 
 @triton.jit
 def _compact(src, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
-             WRITE_KEYS: tl.constexpr):
+             WRITE_KEYS: tl.constexpr, BINS: tl.constexpr):
     """Of the row's columns ``col``: those above boundary bin b to ``dst`` after ``above_before`` entries (as column
     minus ``shift_cols``; with WRITE_KEYS their keys to ``dst_keys``), those in b to the candidates after
     ``cand_before`` (columns and keys, up to ``capacity``); returns how many of each there were."""
     valid = col < length
     x = tl.load(src + col, mask=valid, other=0.0)
-    digit = tl.where(valid, _radix_digit(x), 0)
+    digit = tl.where(valid, _radix_digit(x, BINS), 0)
     is_above = digit > b
     is_cand = digit == b
     key = _order_key(x).to(tl.int32, bitcast=True)
@@ -490,7 +493,7 @@ def _take_all(src, col, length, dst, dst_keys, shift_cols, NEG1: tl.constexpr, W
 
 @triton.jit
 def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, k,
-                            HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr):
+                            HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr, BINS: tl.constexpr):
     """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
     ``hist[row, s]`` (segments past the row's length, as in an engine's max_model_len-wide rows, have no columns,
     and a row of at most k columns takes them all: nothing is counted or read for them); program (row, 0) zeroes the
@@ -500,29 +503,29 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row,
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     if (segment * SEGMENT < length) & (length > k):
         at_least = _at_least(_digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT),
-                                           length))
-        tl.store(hist + (row * n_segments + segment) * RADIX_BINS + tl.arange(0, RADIX_BINS), at_least)
+                                           length, BINS))
+        tl.store(hist + (row * n_segments + segment) * BINS + tl.arange(0, BINS), at_least)
     if segment == 0:
         tl.store(arrivals + row, 0)
 
 
 @triton.jit
-def _row_boundary(hist_row, used, take, SEGMENTS_BLOCK: tl.constexpr):
+def _row_boundary(hist_row, used, take, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr):
     """``_boundary_bin`` of a row from the counts of its first ``used`` segments (those holding its columns)."""
-    bins = tl.arange(0, RADIX_BINS)
-    at_least = tl.zeros((RADIX_BINS,), tl.int32)
+    bins = tl.arange(0, BINS)
+    at_least = tl.zeros((BINS,), tl.int32)
     for s0 in range(0, used, SEGMENTS_BLOCK):
         s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-        at_least += tl.sum(tl.load(hist_row + s[:, None] * RADIX_BINS + bins[None, :], mask=s[:, None] < used,
+        at_least += tl.sum(tl.load(hist_row + s[:, None] * BINS + bins[None, :], mask=s[:, None] < used,
                                    other=0), axis=0)
-    return _boundary_bin(at_least, take)
+    return _boundary_bin(at_least, take, BINS)
 
 
 @triton.jit
 def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out, out_keys, n_cols,
                           stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
-                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from the counts of the segments
     holding its columns; segment s's columns above b go straight to the output (after those of the segments before
     it), its columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last
@@ -535,29 +538,29 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     dst_keys = out_keys + row * k
-    hist_row = hist + row * n_segments * RADIX_BINS
+    hist_row = hist + row * n_segments * BINS
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
     if (segment < used) & (length <= k):  # the row's columns are its top k, each to its own slot
         _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
                   WRITE_KEYS)
     elif segment < used:
-        b, _, _ = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
+        b, _, _ = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK, BINS)
         above_before = tl.zeros((), tl.int32)
         in_bin_before = tl.zeros((), tl.int32)
-        segments_above = tl.where(b + 1 < RADIX_BINS, segment, 0)  # (no bin above the last)
+        segments_above = tl.where(b + 1 < BINS, segment, 0)  # (no bin above the last)
         for s0 in range(0, segment, SEGMENTS_BLOCK):
             s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-            at_b = tl.load(hist_row + s * RADIX_BINS + b, mask=s < segment, other=0)
-            above_b = tl.load(hist_row + s * RADIX_BINS + b + 1, mask=s < segments_above, other=0)
+            at_b = tl.load(hist_row + s * BINS + b, mask=s < segment, other=0)
+            above_b = tl.load(hist_row + s * BINS + b + 1, mask=s < segments_above, other=0)
             above_before += tl.sum(above_b, axis=0)
             in_bin_before += tl.sum(at_b - above_b, axis=0)
         _compact(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, dst, dst_keys, above_before, row_cols,
-                 row_keys, in_bin_before, capacity, shift_cols, WRITE_KEYS)
+                 row_keys, in_bin_before, capacity, shift_cols, WRITE_KEYS, BINS)
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
     tl.debug_barrier()
     if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
         if length > k:
-            _, above_total, in_bin_total = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK)
+            _, above_total, in_bin_total = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK, BINS)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
                                shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
         _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
@@ -593,7 +596,7 @@ def _row_start(row, logits, lengths, offset, out, n_cols, stride_row, k, HAS_LEN
 @triton.jit
 def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
                       HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
     its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
     among those (a row of at most k columns: all of them, ``_take_all``), the padding. Programs take the rows last
@@ -607,15 +610,15 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
         for start in range(0, length, CHUNK):
             _take_all(src, start + pos, length, dst, dst, shift_cols, not PAD_COLUMNS, False)
     else:
-        counts = tl.zeros((RADIX_BINS,), tl.int32)
+        counts = tl.zeros((BINS,), tl.int32)
         for start in range(0, length, CHUNK):
-            counts += _digit_counts(src, start + pos, length)
-        b, above, n_cand = _boundary_bin(_at_least(counts), take)
+            counts += _digit_counts(src, start + pos, length, BINS)
+        b, above, n_cand = _boundary_bin(_at_least(counts), take, BINS)
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
         for start in range(0, length, CHUNK):
             n_above, n_in_bin = _compact(src, start + pos, length, b, dst, dst, above_seen, row_cols, row_keys,
-                                         cand_seen, capacity, shift_cols, False)
+                                         cand_seen, capacity, shift_cols, False, BINS)
             above_seen += n_above
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
@@ -755,17 +758,17 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     ``out_keys`` every output entry's key is written there too."""
     rows, n_cols = logits.shape
     segments = -(-n_cols // segment)
-    hist = torch.empty(rows, segments, RADIX_BINS.value, dtype=torch.int32, device=logits.device)
+    hist = torch.empty(rows, segments, RADIX_SPLIT_BINS, dtype=torch.int32, device=logits.device)
     arrivals = torch.empty(rows, dtype=torch.int32, device=logits.device)  # zeroed by the histogram launch
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
     launch(_radix_histogram_kernel, (rows, segments), logits, lengths, hist, arrivals, n_cols, stride, segments, k,
-           HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, num_warps=4)
+           HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, BINS=RADIX_SPLIT_BINS, num_warps=4)
     launch(_radix_compact_kernel, (rows, segments), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
            out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
            WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
-           BLOCK=block, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+           BLOCK=block, BINS=RADIX_SPLIT_BINS, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
 def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
@@ -774,8 +777,8 @@ def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capaci
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     launch(_radix_row_kernel, (rows,), logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
-           capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block, num_warps=num_warps or RADIX_ROW_WARPS,
-           **flags)
+           capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block, BINS=RADIX_ROW_BINS,
+           num_warps=num_warps or RADIX_ROW_WARPS, **flags)
 
 
 def _sort_by_ranks(selected, keys, out):
