@@ -680,7 +680,7 @@ def radix_row_chunk(rows: int, ragged: bool) -> int:
 
 def radix_capacity(n_cols: int) -> int:
     """Boundary-bin candidates kept per row: a quarter of its columns (the scratch is then half the logits' bytes;
-    a random row's bin holds ~1/32), at most ``RADIX_CAPACITY``."""
+    a random row's bin holds ~1/32 of them with 256 bins, ~1/16 with 128), at most ``RADIX_CAPACITY``."""
     return min(RADIX_CAPACITY, max(n_cols // 4, 1))
 
 
