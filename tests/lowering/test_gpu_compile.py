@@ -48,6 +48,7 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
     ctx, pages = 8192, 8192 // page
     cache = layout.allocate(64 * ctx)
     rotation = hadamard_matrix(128)
+    cos_sin = torch.zeros(4096, 2, 32)  # RoPE tables of the prologues below
     calls = []
     for batch in (1, 64):
         q = torch.zeros(batch, 1, 64, 128, dtype=fp8)
@@ -63,7 +64,6 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
         calls.append(("rotate_act_quant", (x, rotation, 128**-0.5, False, 128, "ue8m0", fp8,
                                            float(torch.finfo(fp8).max)), {}))
         # the RoPE prologue (neox on q, interleaved on k; the store rounding fp32 k first)
-        cos_sin = torch.zeros(4096, 2, 32)
         rope = {"rope_cos": cos_sin[:, 0], "rope_sin": cos_sin[:, 1], "positions": torch.arange(batch)}
         calls.append(("rotate_act_quant", (x.view(batch, 64, 128), rotation, 128**-0.5, False, 128, "ue8m0", fp8,
                                            float(torch.finfo(fp8).max)), rope))
