@@ -24,7 +24,8 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     the op ``head_gate_gemm`` inserts; ``store_input_rounding``, ``layer_norm_prologue`` and ``split_k_prologue`` run
     in that order once the store's k is final (each strips a layer of what k is made of, outermost first);
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers see the graph as the user wrote
-    it; ``index_checks`` (``nsa.checks`` only) last, to see every ``nsa`` op.
+    it; ``index_checks`` (``nsa.checks`` only) after them, to see every ``nsa`` op; ``side_stream``
+    (``nsa.side_stream`` only) last, over the final ops and every reader of what they touch.
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm
@@ -38,6 +39,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .rope_prologue import RopePrologue
     from .rotate_act_quant import RotateActQuant
     from .searchsorted_offset import SearchsortedOffset
+    from .side_stream import SideStream
     from .split_k_prologue import SplitKPrologue
     from .store_input_rounding import StoreInputRounding
     from .topk_indices import TopkIndices
@@ -48,7 +50,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
                                wk_gate, StoreInputRounding(), LayerNormPrologue(), SplitKPrologue(),
                                PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
-                               TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks()]
+                               TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks(), SideStream()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]
     if unknown:
@@ -58,4 +60,6 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
         off |= {head_gate.name, wk_gate.name}
     if not options.checks:
         off.add(IndexChecks.name)
+    if not options.side_stream:
+        off.add(SideStream.name)
     return [p for p in passes if p.name not in off]

@@ -339,6 +339,63 @@ def test_wk_gate_gemm_captures_in_cuda_graph():
     assert torch.equal(gates, want[0]) and torch.equal(keys, want[1])
 
 
+def _k_side_then_logits(inputs, side_stream: bool, join: bool, delay: int = 0):
+    """The decode step's K side (projections, then the store of the new tokens) and the logits reading both, with
+    the K side on the side stream held back by ``delay`` cycles: a reader that does not join sees the old cache."""
+    from nsa_inductor.lowering import _streams
+
+    x, gate_w, wk_w, cache, slots, q, lens, table = inputs
+    if delay:
+        side = _streams._side(x.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(delay)
+    gate_p, k_p = torch.ops.nsa.wk_gate_gemm(x, gate_w, wk_w, 2, 2, False, stream="fork" if side_stream else "current")
+    torch.ops.nsa.quant_cache_store(k_p, cache, slots, 64, False, "ue8m0", FN, round_k=True, k_split_sum=True,
+                                    stream="side" if side_stream else "current")
+    return torch.ops.nsa.paged_mqa_logits(q, cache, gate_p, lens, table, 128, 64, False, join_side_stream=join)
+
+
+def _k_side_inputs(gen):
+    batch = 8
+    lens = torch.randint(1, 129, (batch,), generator=gen, dtype=torch.int32)
+    table = torch.randperm(2 * batch, generator=gen).int().view(batch, 2)
+    slots = (table.long().gather(1, ((lens - 1) // 64)[:, None].long())[:, 0] * 64 + (lens - 1) % 64)
+    return [t.to(DEV) for t in (torch.randn(batch, 512, generator=gen).bfloat16(), torch.randn(64, 512, generator=gen),
+                                torch.randn(128, 512, generator=gen).bfloat16(), random_cache(2 * batch, 64, FN, gen),
+                                slots, random_fp8((batch, 1, 64, 128), FN, gen), lens, table)]
+
+
+def test_the_k_side_on_the_side_stream_is_joined_by_the_logits():
+    """Eager and in a CUDA graph (replayed with new activations): with the side stream and the join, logits and cache
+    equal the one-stream run's; without the join (the check can fail) they do not."""
+    gen = torch.Generator().manual_seed(11)
+    inputs = _k_side_inputs(gen)
+    copies = [[t.clone() for t in inputs] for _ in range(3)]
+    want = _k_side_then_logits(copies[0], side_stream=False, join=False)
+    got = _k_side_then_logits(copies[1], side_stream=True, join=True, delay=10**7)
+    unjoined = _k_side_then_logits(copies[2], side_stream=True, join=False, delay=10**7)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(copies[1][3], copies[0][3])
+    assert not torch.equal(unjoined, want), "a reader that does not join saw the K side's results anyway"
+
+    graph_inputs = [t.clone() for t in inputs]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = _k_side_then_logits(graph_inputs, side_stream=True, join=True, delay=10**6)
+    new_x = torch.randn(8, 512, generator=gen).bfloat16().to(DEV)
+    for t, source in zip(graph_inputs, inputs):
+        t.copy_(source)
+    graph_inputs[0].copy_(new_x)
+    graph.replay()
+    reference = [t.clone() for t in inputs]
+    reference[0].copy_(new_x)
+    want = _k_side_then_logits(reference, side_stream=False, join=False)
+    torch.cuda.synchronize()
+    assert torch.equal(logits, want) and torch.equal(graph_inputs[3], reference[3])
+
+
 def test_ops_capture_in_cuda_graph():
     gen = torch.Generator().manual_seed(5)
     page_size, heads, batch = 64, 64, 4

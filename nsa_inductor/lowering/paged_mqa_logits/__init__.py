@@ -14,6 +14,7 @@ from ...layout import HEAD_DIM
 from ...quant import FP8_DTYPES
 from .._common import (check, check_devices, check_layout, contiguous, describe, implementation, nsa_op,
                        once_per_signature)
+from .. import _streams
 
 
 @once_per_signature
@@ -53,13 +54,18 @@ def paged_mqa_logits(
     preshuffle: bool,
     weights_factor: torch.Tensor | None = None,
     weight_scale: float = 1.0,
+    join_side_stream: bool = False,
 ) -> torch.Tensor:
     """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked).
 
     The head weights are ``weights * weights_factor * weight_scale`` (fp32, in that order) when those are given, and
     ``weights`` may be split-K partials ``[S, B*next_n, H]`` (summed first, left to right): the kernel computes them
-    itself, so the model's ``(p[0] + p[1] + ...) * q_scale * c`` needs no kernel of its own."""
+    itself, so the model's ``(p[0] + p[1] + ...) * q_scale * c`` needs no kernel of its own. ``join_side_stream``
+    (CUDA): first, the current stream waits for the device's second stream (lowering/_streams.py), where the
+    weights and the cache may have been written."""
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
+    if join_side_stream and q_fp8.is_cuda:
+        _streams.join_side_stream(q_fp8.device)
     if capability().index_checks:
         check_pages(eager_call, block_table, context_lens, cache.shape[0], block_table.shape[1], page_size,
                     "context_lens", block_table.device)
@@ -74,6 +80,6 @@ def paged_mqa_logits(
 
 @paged_mqa_logits.register_fake
 def _(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor=None,
-      weight_scale=1.0):
+      weight_scale=1.0, join_side_stream=False):
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], max_len), dtype=torch.float32)

@@ -15,6 +15,7 @@ from ...layout import HEAD_DIM
 from ...quant import check_scale_fmt
 from .._common import (INT_TYPES, check, check_devices, check_fp8, check_layout, check_rope, check_rotation, contiguous,
                        implementation, nsa_op, once_per_signature)
+from .._streams import check_stream, on_stream
 
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
@@ -80,6 +81,7 @@ def quant_cache_store(
     ln_bias: torch.Tensor | None = None,
     ln_eps: float = 0.0,
     k_split_sum: bool = False,
+    stream: str = "current",
 ) -> None:
     """``act_quant(k')`` (per-row fp8 + fp32 scale) written into the K cache at ``slot_mapping`` (< 0: skipped).
 
@@ -92,9 +94,20 @@ def quant_cache_store(
     ``.to(bf16)``, then the rows above are those bf16 rows), and before that, with ``ln_weight`` and ``ln_bias``,
     ``F.layer_norm(k, [128], ln_weight, ln_bias, ln_eps)`` of fp32 ``k`` (on the GPU in ATen's CUDA order); and
     before everything, with ``k_split_sum``, ``k`` is ``[S, T, 128]`` fp32 split-K partials of a bf16 GEMM: the rows
-    are ``k[0] + k[1] + ... + k[S-1]`` (left to right) rounded to bf16, as the GEMM's output read with ``.float()``."""
+    are ``k[0] + k[1] + ... + k[S-1]`` (left to right) rounded to bf16, as the GEMM's output read with ``.float()``.
+    ``stream``: where it runs on CUDA (``"fork"``, ``"side"``: the device's second stream, lowering/_streams.py; a
+    reader of the cache on the current stream must join it first)."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
               rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
+    check_stream(stream)
+    on_stream(stream, _store, k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale,
+              input_dtype, input_divide, rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight,
+              ln_bias, ln_eps, k_split_sum)
+
+
+def _store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale, input_dtype, input_divide,
+           rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps,
+           k_split_sum) -> None:
     if capability().index_checks:
         check_slots(eager_call, slot_mapping, cache.shape[0], page_size)
     k, slot_mapping, positions = contiguous(k, slot_mapping, positions)
@@ -107,6 +120,7 @@ def quant_cache_store(
 @quant_cache_store.register_fake
 def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.float8_e4m3fn, input_scale=1.0,
       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
-      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0, k_split_sum=False):
+      rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0, k_split_sum=False,
+      stream="current"):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
               rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
