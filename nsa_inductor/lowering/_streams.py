@@ -46,8 +46,10 @@ def on_stream(stream: str, fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` on the stream ``stream`` names (``STREAMS``; CPU tensors: as called). On the side stream its
     tensor arguments are recorded there, its outputs (allocated there) on the current stream, which reads them after
     ``join_side_stream``."""
+    if stream == "current":  # (every call outside the pass's graphs: nothing scanned)
+        return fn(*args)
     tensors = _tensors(args)
-    if stream == "current" or not tensors[0].is_cuda:
+    if not tensors[0].is_cuda:
         return fn(*args)
     device = tensors[0].device
     main = torch.cuda.current_stream(device)

@@ -3,6 +3,9 @@ goes on a second CUDA stream and the ``nsa.paged_mqa_logits`` reading the gate p
 near misses where anything else reads what the K side writes, or writes what it reads. The pass only sets flags
 (values unchanged, checked here on the CPU, where the ops ignore them); the streams run in the GPU tests."""
 
+import pathlib
+import tempfile
+
 import pytest
 import torch
 
@@ -150,7 +153,7 @@ def test_the_reference_indexer(entry, matched):
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = Indexer(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
-    _, dump_dir = compile_with_dumps(lambda: None)  # (a dump directory)
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-side-stream-"))
     fn = getattr(model, entry)
     compiled = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size,
                                     "nsa.dump_dir": str(dump_dir), "nsa.side_stream": True})

@@ -23,7 +23,8 @@ _ROUNDED_K_DTYPES = (torch.bfloat16, torch.float16)
 
 @once_per_signature
 def _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum) -> None:
+              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum, stream) -> None:
+    check_stream(stream)
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
     if (ln_weight is None) != (ln_bias is None):
@@ -98,8 +99,7 @@ def quant_cache_store(
     ``stream``: where it runs on CUDA (``"fork"``, ``"side"``: the device's second stream, lowering/_streams.py; a
     reader of the cache on the current stream must join it first)."""
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
-    check_stream(stream)
+              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum, stream)
     on_stream(stream, _store, k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale,
               input_dtype, input_divide, rotation, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight,
               ln_bias, ln_eps, k_split_sum)
@@ -123,4 +123,4 @@ def _(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype=torch.
       rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0, k_split_sum=False,
       stream="current"):
     _validate(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_dtype, rotation, rope_cos,
-              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum)
+              rope_sin, positions, round_k, ln_weight, ln_bias, k_split_sum, stream)
