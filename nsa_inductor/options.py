@@ -27,8 +27,9 @@ class NsaOptions:
     - ``verify``: check the compiled graph against the unrewritten graph on its first call (``True``) or first
       ``n`` calls, raising :class:`~nsa_inductor.verify.VerifyError` on a mismatch (:mod:`nsa_inductor.verify`;
       the ``nsa_rocm`` backend only).
-    - ``side_stream``: run the decode step's K side (``nsa.wk_gate_gemm`` and the cache store) on a second CUDA
-      stream beside the q side (the ``side_stream`` pass; experimental, off by default: docs/passes/side_stream.md).
+    - ``side_stream``: in a captured CUDA graph, run the decode step's K side (``nsa.wk_gate_gemm`` and the cache
+      store) on a second stream beside the q side (the ``side_stream`` pass, default on; ``False``: one stream;
+      docs/passes/side_stream.md).
     - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
       reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
@@ -40,7 +41,7 @@ class NsaOptions:
     head_gate_mode: str = "split"
     topk_order: str = "sorted"
     eager_layer_norm: bool = True
-    side_stream: bool = False
+    side_stream: bool = True
     strict: bool = False
     checks: bool = False
     verify: bool | int = False

@@ -26,12 +26,14 @@ EXPECTED_MATCHES = {
                "rope_prologue": 2, "head_gate_gemm": 1, "wk_gate_gemm": 1, "store_input_rounding": 1,
                "layer_norm_prologue": 1, "split_k_prologue": 1,
                "paged_mqa_logits": 1, "ragged_mqa_logits": 0, "gather_k_slots": 0,
-               "empty_logits_buffer": 0, "topk_indices": 1, "searchsorted_offset": 0},
+               "empty_logits_buffer": 0, "topk_indices": 1, "searchsorted_offset": 0,
+               "side_stream": 1},
     "prefill": {"rope_copy_elision": 0, "quant_cache_store": 1, "rotate_act_quant": 2,
                 "rope_prologue": 2, "head_gate_gemm": 1, "wk_gate_gemm": 1, "store_input_rounding": 1,
                 "layer_norm_prologue": 1, "split_k_prologue": 1,
                "paged_mqa_logits": 0, "ragged_mqa_logits": 1, "gather_k_slots": 1,
-                "empty_logits_buffer": 0, "topk_indices": 1, "searchsorted_offset": 0},
+                "empty_logits_buffer": 0, "topk_indices": 1, "searchsorted_offset": 0,
+                "side_stream": 0},
 }
 
 

@@ -3,12 +3,14 @@
 
 Why: the K side (the projections of x, the cache store) and the q side (wq_b, the rotation) of a step do not read
 each other, and each is a few latency-bound launches that leave most SMs idle; on two streams they overlap (what
-serving engines do by hand with an alternate stream). Captured in a CUDA graph, the fork and the join become the
-graph's edges. An op's ``stream``: ``"current"``; ``"fork"``, on the side stream after everything the current
-stream has queued (its inputs are ready, earlier readers of what it writes are done); ``"side"``, on the side stream
-after what is queued there only (a fork earlier, and every input of the op ready then: Inductor may queue other work
-on the current stream in between). Every tensor the side stream touches is recorded on the other stream, so the
-caching allocator does not hand that memory out while the other stream may still use it.
+serving engines do by hand with an alternate stream). Only while a CUDA graph is being captured: there the fork and
+the join become the graph's edges and cost nothing at replay; called eagerly a step is bound by its launches, which
+the stream switches and allocator records would only lengthen (BENCHMARKS.md, "The K side on a second CUDA stream").
+An op's ``stream``: ``"current"``; ``"fork"``, on the side stream after everything the current stream has queued
+(its inputs are ready, earlier readers of what it writes are done); ``"side"``, on the side stream after what is
+queued there only (a fork earlier, and every input of the op ready then: Inductor may queue other work on the
+current stream in between). Every tensor the side stream touches is recorded on the other stream, so the caching
+allocator does not hand that memory out while the other stream may still use it.
 """
 
 from __future__ import annotations
@@ -42,16 +44,20 @@ def check_stream(stream: str) -> None:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def on_stream(stream: str, fn: Callable, *args: Any) -> Any:
-    """``fn(*args)`` on the stream ``stream`` names (``STREAMS``; CPU tensors: as called). On the side stream its
-    tensor arguments are recorded there, its outputs (allocated there) on the current stream, which reads them after
-    ``join_side_stream``."""
+    """``fn(*args)`` on the stream ``stream`` names (``STREAMS``) while a CUDA graph is captured, else as called.
+    On the side stream its tensor arguments are recorded there, its outputs (allocated there) on the current stream,
+    which reads them after ``join_side_stream``."""
     if stream == "current":  # (every call outside the pass's graphs: nothing scanned)
         return fn(*args)
     tensors = _tensors(args)
-    if not tensors[0].is_cuda:
-        return fn(*args)
     device = tensors[0].device
+    if not _capturing(device):
+        return fn(*args)
     main = torch.cuda.current_stream(device)
     side = _side(device)
     if stream == "fork":
@@ -66,5 +72,7 @@ def on_stream(stream: str, fn: Callable, *args: Any) -> Any:
 
 
 def join_side_stream(device: torch.device) -> None:
-    """The current stream waits for the work queued on the device's side stream so far."""
-    torch.cuda.current_stream(device).wait_stream(_side(device))
+    """While a CUDA graph is captured, the current stream waits for the work queued on the device's side stream so
+    far (outside a capture ``on_stream`` queued nothing there)."""
+    if _capturing(device):
+        torch.cuda.current_stream(device).wait_stream(_side(device))

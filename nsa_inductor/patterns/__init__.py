@@ -25,7 +25,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     in that order once the store's k is final (each strips a layer of what k is made of, outermost first);
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers see the graph as the user wrote
     it; ``index_checks`` (``nsa.checks`` only) after them, to see every ``nsa`` op; ``side_stream``
-    (``nsa.side_stream`` only) last, over the final ops and every reader of what they touch.
+    (unless ``nsa.side_stream=False``) last, over the final ops and every reader of what they touch.
     """
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm

@@ -367,33 +367,40 @@ def _k_side_inputs(gen):
 
 
 def test_the_k_side_on_the_side_stream_is_joined_by_the_logits():
-    """Eager and in a CUDA graph (replayed with new activations): with the side stream and the join, logits and cache
-    equal the one-stream run's; without the join (the check can fail) they do not."""
+    """Called eagerly the flagged ops run on the current stream (a held-back side stream does not delay them). In a
+    CUDA graph (replayed with new activations) the K side runs on the side stream: with the join, logits and cache
+    equal the one-stream run's; with the join after the logits (the check can fail) they do not."""
+    from nsa_inductor.lowering import _streams
+
     gen = torch.Generator().manual_seed(11)
     inputs = _k_side_inputs(gen)
-    copies = [[t.clone() for t in inputs] for _ in range(3)]
+    copies = [[t.clone() for t in inputs] for _ in range(2)]
     want = _k_side_then_logits(copies[0], side_stream=False, join=False)
-    got = _k_side_then_logits(copies[1], side_stream=True, join=True, delay=10**7)
-    unjoined = _k_side_then_logits(copies[2], side_stream=True, join=False, delay=10**7)
+    eager = _k_side_then_logits(copies[1], side_stream=True, join=False, delay=10**7)
     torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(copies[1][3], copies[0][3])
-    assert not torch.equal(unjoined, want), "a reader that does not join saw the K side's results anyway"
+    assert torch.equal(eager, want) and torch.equal(copies[1][3], copies[0][3])
 
-    graph_inputs = [t.clone() for t in inputs]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = _k_side_then_logits(graph_inputs, side_stream=True, join=True, delay=10**6)
     new_x = torch.randn(8, 512, generator=gen).bfloat16().to(DEV)
-    for t, source in zip(graph_inputs, inputs):
-        t.copy_(source)
-    graph_inputs[0].copy_(new_x)
-    graph.replay()
     reference = [t.clone() for t in inputs]
     reference[0].copy_(new_x)
     want = _k_side_then_logits(reference, side_stream=False, join=False)
-    torch.cuda.synchronize()
-    assert torch.equal(logits, want) and torch.equal(graph_inputs[3], reference[3])
+    replayed = {}
+    for join in (True, False):
+        graph_inputs = [t.clone() for t in inputs]
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = _k_side_then_logits(graph_inputs, side_stream=True, join=join, delay=10**6)
+            if not join:
+                _streams.join_side_stream(new_x.device)  # after the logits: a capture must end joined
+        for t, source in zip(graph_inputs, inputs):
+            t.copy_(source)
+        graph_inputs[0].copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed[join] = logits, graph_inputs[3]
+    assert torch.equal(replayed[True][0], want) and torch.equal(replayed[True][1], reference[3])
+    assert not torch.equal(replayed[False][0], want), "a reader that does not join saw the K side's results anyway"
 
 
 def test_ops_capture_in_cuda_graph():

@@ -79,7 +79,7 @@ def run(fn):
     args = inputs()
     eager_args = [a.clone() for a in args]
     want = fn(*eager_args)
-    compiled, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": PAGE, "nsa.side_stream": True},
+    compiled, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": PAGE},
                                             dynamic=False)
     got = compiled(*args)
     for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
@@ -134,12 +134,12 @@ def test_the_ops_ignore_the_flags_on_the_cpu():
                                             join_side_stream=True))
 
 
-def test_the_pass_runs_only_when_asked():
+def test_the_pass_runs_unless_turned_off():
     from nsa_inductor.options import parse_options
     from nsa_inductor.patterns import passes_for
 
-    assert "side_stream" not in [p.name for p in passes_for(parse_options({})[0])]
-    assert "side_stream" in [p.name for p in passes_for(parse_options({"nsa.side_stream": True})[0])]
+    assert "side_stream" in [p.name for p in passes_for(parse_options({})[0])]
+    assert "side_stream" not in [p.name for p in passes_for(parse_options({"nsa.side_stream": False})[0])]
 
 
 @pytest.mark.parametrize("entry, matched", [("decode", 1), ("prefill", 0)])
@@ -156,7 +156,7 @@ def test_the_reference_indexer(entry, matched):
     dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-side-stream-"))
     fn = getattr(model, entry)
     compiled = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size,
-                                    "nsa.dump_dir": str(dump_dir), "nsa.side_stream": True})
+                                    "nsa.dump_dir": str(dump_dir)})
     batch = batches(config, layout, entry)[0]
     assert_matches_eager(fn, compiled, batch)
     (graph,) = graph_dirs(dump_dir)

@@ -61,10 +61,10 @@ def paged_mqa_logits(
     The head weights are ``weights * weights_factor * weight_scale`` (fp32, in that order) when those are given, and
     ``weights`` may be split-K partials ``[S, B*next_n, H]`` (summed first, left to right): the kernel computes them
     itself, so the model's ``(p[0] + p[1] + ...) * q_scale * c`` needs no kernel of its own. ``join_side_stream``
-    (CUDA): first, the current stream waits for the device's second stream (lowering/_streams.py), where the
-    weights and the cache may have been written."""
+    (CUDA, while a graph is captured): first, the current stream waits for the device's second stream
+    (lowering/_streams.py), where the weights and the cache may have been written."""
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
-    if join_side_stream and q_fp8.is_cuda:
+    if join_side_stream:
         _streams.join_side_stream(q_fp8.device)
     if capability().index_checks:
         check_pages(eager_call, block_table, context_lens, cache.shape[0], block_table.shape[1], page_size,
