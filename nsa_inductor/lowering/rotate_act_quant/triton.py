@@ -1,13 +1,42 @@
-"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128."""
+"""Triton kernels of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128; with a
+``weight``, one program computes one head of BLOCK_M tokens' ``x @ weight^T`` first (the q side's wq_b GEMM)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (fp8_values, interpreted, launch, no_fma, quantize_constants, quantize_rows,
-                              rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_rows)
+from .._triton_common import (dot_bf16, fp8_values, interpreted, launch, next_power_of_2, no_fma, quantize_constants,
+                              quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
+                              scale_rows)
+
+
+@triton.jit
+def _rotate_quantize_store(x, r, in_range, rot_ptr, values_ptr, scales_ptr, stride_rk, stride_rn, SCALE: tl.constexpr,
+                           INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, SPLIT_ROTATION: tl.constexpr,
+                           QUANT_BLOCK: tl.constexpr, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr,
+                           MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr,
+                           ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``y = bf16((x @ R) * SCALE)`` of rows ``r`` (``rotate_rows``: fp32 accumulation, then the scale in fp32 as
+    torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK group of
+    ``y`` (``quantize_rows``), stored as row ``r`` of the values and scales."""
+    y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
+    y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
+    groups: tl.constexpr = 128 // QUANT_BLOCK
+    values, scale = quantize_rows(tl.reshape(y, [BLOCK_M * groups, QUANT_BLOCK]), FMAX, INV_FMAX, UE8M0, MIN_EXP,
+                                  SIGNED_ZERO, ON_GPU)
+    offsets = r[:, None].to(tl.int64) * 128 + tl.arange(0, 128)[None, :]
+    tl.store(values_ptr + offsets, fp8_values(tl.reshape(values, [BLOCK_M, 128]), values_ptr.dtype.element_ty,
+                                              NAN_CODE), mask=in_range[:, None])
+    if groups == 1:
+        tl.store(scales_ptr + r, scale, mask=in_range)
+    else:
+        g = tl.arange(0, groups)
+        tl.store(scales_ptr + r[:, None].to(tl.int64) * groups + g[None, :], tl.reshape(scale, [BLOCK_M, groups]),
+                 mask=in_range[:, None])
 
 
 @triton.jit
@@ -19,32 +48,63 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                              FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
                              SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, ON_GPU: tl.constexpr,
                              BLOCK_M: tl.constexpr):
-    """``y = bf16((x' @ R) * SCALE)`` for BLOCK_M rows (``x'``: x with the RoPE of its token on its first
-    ``ROPE_DIM`` lanes, ``rope_rows``; x itself without) (``rotate_rows``: fp32 accumulation, then the scale in fp32
-    as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
-    group of ``y`` (``quantize_rows``)."""
+    """BLOCK_M rows of x, with the RoPE of their token on their first ``ROPE_DIM`` lanes (``rope_rows``; x itself
+    without), rotated and quantized (``_rotate_quantize_store``)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, 128)
     in_range = r < rows
-    offsets = r[:, None].to(tl.int64) * 128 + d[None, :]
-    x = tl.load(x_ptr + offsets, mask=in_range[:, None], other=1.0)  # not 0: `_quant_store_kernel`'s note
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * 128 + d[None, :], mask=in_range[:, None],
+                other=1.0)  # not 0: `_quant_store_kernel`'s note
     if ROPE_DIM:
         x = rope_rows(x, x_ptr + r.to(tl.int64) * 128, r // rows_per_token, in_range, pos_ptr, n_positions, cos_ptr,
                       sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, 0.0, 0.0, cos_ptr, cos_ptr, 0, ROPE_DIM,
                       INTERLEAVED, False, False, NO_FMA, 0)
-    y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
-    y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
-    groups: tl.constexpr = 128 // QUANT_BLOCK
-    values, scale = quantize_rows(tl.reshape(y, [BLOCK_M * groups, QUANT_BLOCK]), FMAX, INV_FMAX, UE8M0, MIN_EXP,
-                                  SIGNED_ZERO, ON_GPU)
-    tl.store(values_ptr + offsets, fp8_values(tl.reshape(values, [BLOCK_M, 128]), values_ptr.dtype.element_ty,
-                                              NAN_CODE), mask=in_range[:, None])
-    if groups == 1:
-        tl.store(scales_ptr + r, scale, mask=in_range)
-    else:
-        g = tl.arange(0, groups)
-        tl.store(scales_ptr + r[:, None].to(tl.int64) * groups + g[None, :], tl.reshape(scale, [BLOCK_M, groups]),
-                 mask=in_range[:, None])
+    _rotate_quantize_store(x, r, in_range, rot_ptr, values_ptr, scales_ptr, stride_rk, stride_rn, SCALE, INV_SCALE,
+                           DIVIDE, SPLIT_ROTATION, QUANT_BLOCK, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE,
+                           ON_GPU, BLOCK_M)
+
+
+@triton.jit
+def _linear_rotate_act_quant_kernel(x_ptr, w_ptr, q_ptr, rot_ptr, values_ptr, scales_ptr, tokens, k_dim, heads,
+                                    stride_xt, stride_xk, stride_wn, stride_wk, stride_rk, stride_rn,
+                                    pos_ptr, n_positions, rows_per_token, cos_ptr, sin_ptr, stride_cp, stride_cj,
+                                    stride_sp, stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                                    NO_FMA: tl.constexpr, SCALE: tl.constexpr, INV_SCALE: tl.constexpr,
+                                    DIVIDE: tl.constexpr, SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+                                    FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr,
+                                    MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr,
+                                    ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Head ``h`` (program 1) of BLOCK_M tokens: ``bf16(x @ W[128 h : 128 h + 128]^T)`` (fp32 accumulation, one
+    rounding, as a GEMM writes its bf16 output), then as ``_rotate_act_quant_kernel``; its row of the values is
+    ``token * heads + h``. With RoPE the rows pass through ``q_ptr`` (bf16 [tokens * heads, 128]): the turn reads each
+    lane's partner from memory, after a barrier (the program's own writes)."""
+    t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    d = tl.arange(0, 128)
+    kk = tl.arange(0, BLOCK_K)
+    in_range = t < tokens
+    a_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_xt + kk[None, :] * stride_xk
+    w_ptrs = w_ptr + (head * 128 + d)[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_ok = k0 + kk < k_dim
+        a = tl.load(a_ptrs, mask=in_range[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = dot_bf16(acc, a, w, ON_GPU)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, 128]
+        a_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    x = tl.where(in_range[:, None], acc, 1.0).to(tl.bfloat16)  # not 0: `_quant_store_kernel`'s note
+    r = t * heads + head
+    if ROPE_DIM:
+        row_ptr = q_ptr + r.to(tl.int64) * 128
+        tl.store(row_ptr[:, None] + d[None, :], x, mask=in_range[:, None])
+        tl.debug_barrier()
+        x = rope_rows(x, row_ptr, t, in_range, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj,
+                      stride_sp, stride_sj, 0.0, 0.0, cos_ptr, cos_ptr, 0, ROPE_DIM, INTERLEAVED, False, False, NO_FMA,
+                      0)
+    _rotate_quantize_store(x, r, in_range, rot_ptr, values_ptr, scales_ptr, stride_rk, stride_rn, SCALE, INV_SCALE,
+                           DIVIDE, SPLIT_ROTATION, QUANT_BLOCK, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE,
+                           ON_GPU, BLOCK_M)
 
 
 def block_rows(rows: int) -> int:
@@ -59,10 +119,59 @@ def warps_for(rows: int, block_m: int) -> int:
     return 8 if block_m >= 16 and rows <= 8192 else 4
 
 
+# With a weight, the projection runs in the rotation's kernel up to this many tokens (decode); past it, cuBLAS's
+# GEMM then the rotation kernel: each program reads its head's whole weight slice, so the weight's reads from L2
+# grow with the token tiles.
+LINEAR_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tiles of ``_linear_rotate_act_quant_kernel``: tokens per program, K columns per loop step, launch options."""
+
+    block_m: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def linear_config(tokens: int) -> LinearConfig:
+    """All tokens in one tile up to 64 (16 at least: ``tl.dot``), so the weight is read once from DRAM."""
+    return LinearConfig(block_m=min(64, max(16, next_power_of_2(tokens))))
+
+
+def _linear_rotate_act_quant(x, weight, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos,
+                             rope_sin, positions, rope_interleaved, config):
+    tokens, heads = x.shape[0], weight.shape[0] // 128
+    values = torch.empty(tokens, heads, 128, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(tokens, heads, 128 // quant_block, dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return values, scales
+    cfg = config or linear_config(tokens)
+    q = values if rope_cos is None else torch.empty(tokens * heads, 128, dtype=torch.bfloat16, device=x.device)
+    kernel = _linear_rotate_act_quant_kernel
+    launch(kernel, (triton.cdiv(tokens, cfg.block_m), heads), x, weight, q, rotation, values, scales, tokens,
+           x.shape[1], heads, *x.stride(), *weight.stride(), *rotation.stride(),
+           *rope_arguments(x, tokens * heads, rope_cos, rope_sin, positions),
+           ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved,
+           NO_FMA=no_fma(kernel), **scale_constants(scale, divide), SPLIT_ROTATION=rotation.dtype == torch.float32,
+           QUANT_BLOCK=quant_block, **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt),
+           ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)
+    return values, scales
+
+
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None,
-                     rope_sin=None, positions=None, rope_interleaved=False, block_m: int | None = None):
+                     rope_sin=None, positions=None, rope_interleaved=False, weight=None, block_m: int | None = None,
+                     linear: LinearConfig | None = None):
     """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x`` (after the RoPE
-    prologue when tables are given): one launch."""
+    prologue when tables are given): one launch; with ``weight``, of ``x @ weight^T`` as heads of 128 (one launch
+    up to ``LINEAR_MAX_TOKENS`` tokens, ``linear``: its tiles)."""
+    if weight is not None:
+        if x.shape[0] <= LINEAR_MAX_TOKENS:
+            return _linear_rotate_act_quant(x, weight, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype,
+                                            fp8_max, rope_cos, rope_sin, positions, rope_interleaved, linear)
+        x = torch.nn.functional.linear(x, weight).view(x.shape[0], weight.shape[0] // 128, 128)
     values = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(*x.shape[:-1], 128 // quant_block, dtype=torch.float32, device=x.device)
     rows = x.numel() // 128
