@@ -198,6 +198,36 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
 
 
 @pytest.mark.gpu
+def test_compiled_decode_replayed_in_a_cuda_graph_equals_eager():
+    """As engines run a decode step: captured once in a CUDA graph (where ``side_stream`` puts the K side on a second
+    stream), replayed on new tokens, lengths, pages and cache copied into the captured inputs: equal to eager on each
+    as the uncaptured step is."""
+    config, layout, eager_fn, compiled_fn, dump_dir = compiled_gpu("deepseek_v32", "paged", "decode")
+    batches = [decode_batch(config, layout, lens, max_len=2112, seed=seed, device="cuda", cache_pages=128)
+               for seed, lens in ((1, [5, 700, 0, 2049]), (2, [2112, 1, 64, 999]), (3, [17, 2048, 300, 65]))]
+    static = batches[0].clone()
+    with torch.no_grad():
+        compiled_fn(*batches[0].clone().args)  # compiled and warmed up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c_logits, c_topk = compiled_fn(*static.args)
+        for batch in batches[1:]:
+            for buffer, value in zip(static.args, batch.args):
+                buffer.copy_(value)
+            graph.replay()
+            eager = batch.clone()
+            logits, topk = eager_fn(*eager.args)
+            torch.cuda.synchronize()
+            assert_k_cache_matches(eager.kv_cache, static.kv_cache, batch.slot_mapping, layout)
+            assert_logits_close(c_logits, logits)
+            same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(topk.cpu(), c_topk.cpu()))
+            assert same >= 0.99 * topk.shape[0], f"top-k sets differ in {topk.shape[0] - same} rows"
+    for report in reports(dump_dir):
+        assert {p["name"]: p["matched"] for p in report["passes"]}["side_stream"] == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
 def test_disabling_the_reordering_passes_keeps_eager_bytes_on_gpu(entry):
     """``nsa.disable_passes=["rotate_act_quant", "wk_gate_gemm"]``: the rotation and wk stay cuBLAS's, the cache
