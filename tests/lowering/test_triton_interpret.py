@@ -647,8 +647,9 @@ def test_rotate_act_quant_matches_reference_exactly_where_sums_are_exact(rotatio
 def test_rotate_act_quant_with_weight_matches_reference_exactly(tokens, heads, k, rope_dim, weight_t, block_m):
     """With a weight the rows are ``x @ W^T`` as heads of 128, in the rotation's kernel up to ``LINEAR_MAX_TOKENS``
     tokens (130: the GEMM first, then the rotation kernel). Entries of -1, 0, 1 keep every sum exact in any order, so
-    the bytes equal the reference's: K not a multiple of the kernel's step, a transposed weight, x a strided view,
-    the RoPE prologue (identity rotation, ``_rope_case``'s NaN rows) through the kernel's scratch rows."""
+    the bytes equal the reference's: K in one chunk, two (the default's split), three with a short last one (the
+    partials' sum by the last program to arrive), K not a multiple of the kernel's step, a transposed weight, x a
+    strided view, the RoPE prologue (identity rotation, ``_rope_case``'s NaN rows) through the scratch rows."""
     from nsa_inductor.lowering.rotate_act_quant import reference, triton as kernels
 
     gen = torch.Generator().manual_seed(tokens * 13 + k)
@@ -659,7 +660,7 @@ def test_rotate_act_quant_with_weight_matches_reference_exactly(tokens, heads, k
     rope = _rope_case(tokens, rope_dim, gen) if rope_dim else (None, None, None)
     args = (torch.eye(128) if rope_dim else hadamard_matrix(128), 128**-0.5, False, 128, "ue8m0", FN, 448.0, *rope,
             False)
-    linear = None if block_m is None else kernels.LinearConfig(block_m, block_k=64)
+    linear = None if block_m is None else kernels.LinearConfig(block_m, splits=3, block_k=32)
     got = _kernels("rotate_act_quant").rotate_act_quant(x, *args, weight=weight, linear=linear)
     want = reference.rotate_act_quant(x, *args, weight=weight)
     assert got[0].shape == want[0].shape == (tokens, heads, 128) and got[1].shape == want[1].shape == (tokens, heads, 1)
