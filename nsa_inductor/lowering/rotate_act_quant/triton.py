@@ -1,5 +1,6 @@
 """Triton kernels of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128; with a
-``weight``, one program computes one head of BLOCK_M tokens' ``x @ weight^T`` first (the q side's wq_b GEMM)."""
+``weight``, the programs of one head and tile of BLOCK_M tokens each compute a K chunk of ``x @ weight^T`` first (the q
+side's wq_b GEMM) and the last of them to finish rotates and quantizes."""
 
 from __future__ import annotations
 
