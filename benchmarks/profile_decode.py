@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import pathlib
 import tempfile
 
 import torch
@@ -89,7 +90,7 @@ def print_timeline(prof, steps: int) -> None:
     """The last step's kernels from the profiler's trace: stream, start, end, name; then the step's span."""
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        events = json.loads(pathlib.Path(trace.name).read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     last = kernels[-(len(kernels) // steps):]
     t0 = last[0]["ts"]

@@ -52,12 +52,10 @@ def on_stream(stream: str, fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` on the stream ``stream`` names (``STREAMS``) while a CUDA graph is captured, else as called.
     On the side stream its tensor arguments are recorded there, its outputs (allocated there) on the current stream,
     which reads them after ``join_side_stream``."""
-    if stream == "current":  # (every call outside the pass's graphs: nothing scanned)
+    device = args[0].device  # (every op's first argument is a tensor)
+    if stream == "current" or not _capturing(device):  # (every call outside a capture: nothing scanned)
         return fn(*args)
     tensors = _tensors(args)
-    device = tensors[0].device
-    if not _capturing(device):
-        return fn(*args)
     main = torch.cuda.current_stream(device)
     side = _side(device)
     if stream == "fork":

@@ -30,7 +30,6 @@ _WEIGHT_VIEWS = (*VIEW_OPS, aten.permute.default)
 
 class QProjection(GraphPass):
     name = "q_projection"
-    may_change_cache_bytes = False
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext):
         return [n for n in graph.find_nodes(op="call_function", target=torch.ops.nsa.rotate_act_quant.default)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...quant import act_quant
-from .._common import roped
+from .._common import projected, roped
 
 
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None,
@@ -16,7 +16,7 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
     ``quant_block``; ``x'``: x (with ``weight``, ``F.linear(x, weight)`` as heads of 128) after the RoPE prologue
     (``roped``)."""
     if weight is not None:
-        x = torch.nn.functional.linear(x, weight).view(x.shape[0], weight.shape[0] // 128, 128)
+        x = projected(x, weight)
     product = roped(x, rope_cos, rope_sin, positions, rope_interleaved).float() @ rotation.float()
     rotated = (product / scale if divide else product * scale).to(torch.bfloat16)
     return act_quant(rotated, quant_block, scale_fmt, fp8_dtype, fp8_max)

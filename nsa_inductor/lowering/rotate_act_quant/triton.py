@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import projected
 from .._triton_common import (dot_bf16, fp8_values, interpreted, launch, next_power_of_2, no_fma, quantize_constants,
                               quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
                               scale_rows)
@@ -199,7 +200,7 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
         if x.shape[0] <= LINEAR_MAX_TOKENS:
             return _linear_rotate_act_quant(x, weight, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype,
                                             fp8_max, rope_cos, rope_sin, positions, rope_interleaved, linear)
-        x = torch.nn.functional.linear(x, weight).view(x.shape[0], weight.shape[0] // 128, 128)
+        x = projected(x, weight)
     values = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(*x.shape[:-1], 128 // quant_block, dtype=torch.float32, device=x.device)
     rows = x.numel() // 128
