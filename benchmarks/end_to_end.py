@@ -100,11 +100,10 @@ def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False, r
         "inductor": torch.compile(fn, backend="inductor", mode=mode),
         # nsa_checks: with the index checks' device-side asserts (their cost); nsa_no_slot_gather: without the
         # gather_k_slots pass (Inductor gathers the engine's K: that pass's share); nsa_one_stream: without
-        # the side_stream pass (the K side on the current stream); nsa_q_projection: with the experimental q_projection pass. All before nsa_rocm, whose pass report is the one printed.
+        # the side_stream pass (the K side on the current stream). All before nsa_rocm, whose pass report is the one printed.
         "nsa_checks": nsa({"nsa.checks": True}),
         "nsa_no_slot_gather": nsa({"nsa.disable_passes": ["gather_k_slots"]}),
         "nsa_one_stream": nsa({"nsa.side_stream": False}),
-        "nsa_q_projection": nsa({"nsa.q_projection": True}),
         "nsa_rocm": nsa({}),
     }
     reports_before = nsa_inductor.last_reports()
@@ -644,8 +643,7 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
                         help="comma-separated subset; nsa_checks is nsa_rocm with nsa.checks, nsa_no_slot_gather "
                              "without the gather_k_slots pass (default Inductor's prefill hits a torch 2.11 bug on "
-                             "GPUs), nsa_one_stream with nsa.side_stream=False, nsa_q_projection with "
-                             "nsa.q_projection")
+                             "GPUs), nsa_one_stream with nsa.side_stream=False")
     parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted",
                         help="nsa.topk_order: torch's order (default) or set order (engines that use indices as a set)")
     parser.add_argument("--engine", action="store_true",

@@ -30,8 +30,6 @@ class NsaOptions:
     - ``side_stream``: in a captured CUDA graph, run the decode step's K side (``nsa.wk_gate_gemm`` and the cache
       store) on a second stream beside the q side (the ``side_stream`` pass, default on; ``False``: one stream;
       docs/passes/side_stream.md).
-    - ``q_projection``: fold the q side's wq_b GEMM into ``nsa.rotate_act_quant`` (the ``q_projection`` pass;
-      experimental, off by default: not yet timed on a GPU).
     - ``eager_layer_norm``: keep ``native_layer_norm`` as the ATen kernel eager runs instead of Inductor's own
       reduction, so the K that reaches act_quant, and so the cache bytes, match eager bit for bit.
     """
@@ -44,7 +42,6 @@ class NsaOptions:
     topk_order: str = "sorted"
     eager_layer_norm: bool = True
     side_stream: bool = True
-    q_projection: bool = False
     strict: bool = False
     checks: bool = False
     verify: bool | int = False
@@ -70,7 +67,6 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "topk_order": (str,),
     "eager_layer_norm": (bool,),
     "side_stream": (bool,),
-    "q_projection": (bool,),
     "strict": (bool,),
     "checks": (bool,),
     "verify": (bool, int),

@@ -241,11 +241,6 @@ def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def projected(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` [T, N] as heads of 128 [T, N / 128, 128]: eager's q projection, cuBLAS's on GPUs."""
-    return torch.nn.functional.linear(x, weight).view(x.shape[0], weight.shape[0] // HEAD_DIM, HEAD_DIM)
-
-
 def roped(x: torch.Tensor, rope_cos, rope_sin, positions, interleaved: bool) -> torch.Tensor:
     """``x`` with eager's RoPE (``indexer.apply_rope``: fp32 products, bf16 result) on the first ``2 *
     rope_cos.shape[1]`` of each row, token ``t`` at ``positions[t]`` (wrapped like a Python index; a position

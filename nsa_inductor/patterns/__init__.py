@@ -34,7 +34,6 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .mqa.paged import PagedMqaLogits
     from .mqa.ragged import RaggedMqaLogits
     from .mqa.slot_gather import GatherKSlots
-    from .q_projection import QProjection
     from .quant_cache_store import QuantCacheStore
     from .rope_copy_elision import RopeCopyElision
     from .rope_prologue import RopePrologue
@@ -51,8 +50,7 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
                                wk_gate, StoreInputRounding(), LayerNormPrologue(), SplitKPrologue(),
                                PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
-                               TopkIndices(options.topk_order), SearchsortedOffset(), QProjection(), IndexChecks(),
-                               SideStream()]
+                               TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks(), SideStream()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]
     if unknown:
@@ -64,6 +62,4 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
         off.add(IndexChecks.name)
     if not options.side_stream:
         off.add(SideStream.name)
-    if not options.q_projection:
-        off.add(QProjection.name)
     return [p for p in passes if p.name not in off]

@@ -67,10 +67,6 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
         rope = {"rope_cos": cos_sin[:, 0], "rope_sin": cos_sin[:, 1], "positions": torch.arange(batch)}
         calls.append(("rotate_act_quant", (x.view(batch, 64, 128), rotation, 128**-0.5, False, 128, "ue8m0", fp8,
                                            float(torch.finfo(fp8).max)), rope))
-        # the q side's projection in the same kernel (wq_b: [64 x 128, 1536]; split over K)
-        calls.append(("rotate_act_quant", (torch.zeros(batch, 1536, dtype=torch.bfloat16), rotation, 128**-0.5, False,
-                                           128, "ue8m0", fp8, float(torch.finfo(fp8).max)),
-                      {**rope, "weight": torch.zeros(64 * 128, 1536, dtype=torch.bfloat16)}))
         calls.append(("quant_cache_store", (k.float(), cache, slots, page, preshuffle, "ue8m0", fp8, 128**-0.5,
                                             torch.bfloat16, False, rotation),
                       {**rope, "rope_interleaved": True, "round_k": True}))

@@ -579,19 +579,6 @@ def test_rope_prologue_arguments_are_checked(name, rope, message):
         getattr(torch.ops.nsa, name)(*args, **kwargs)
 
 
-@pytest.mark.parametrize("x, weight, message", [
-    (torch.zeros(3, 64).bfloat16(), torch.zeros(200, 64).bfloat16(), r"weight must have a positive multiple of 128 "
-                                                                     r"rows .* got bfloat16 \[200, 64\]"),
-    (torch.zeros(3, 64).bfloat16(), torch.zeros(128, 64), r"weight must be bfloat16 \[heads \* 128, K\]"),
-    (torch.zeros(3, 32).bfloat16(), torch.zeros(128, 64).bfloat16(), r"x must be bfloat16 \[T, K=64\] \(weight's "
-                                                                     r"K\), got bfloat16 \[3, 32\]"),
-])
-def test_the_q_projection_weight_is_checked(x, weight, message):
-    args = (x, *small_inputs()["rotate_act_quant"][1:])
-    with pytest.raises(ValueError, match=message):
-        torch.ops.nsa.rotate_act_quant(*args, weight=weight)
-
-
 def test_rope_prologue_needs_bf16_rows():
     args = _replace(small_inputs()["quant_cache_store"], 0, torch.randn(6, 128))
     with pytest.raises(ValueError, match=r"a RoPE prologue rotates bf16 rows \[T, \.\.\., 128\], got float32"):

@@ -6,8 +6,6 @@ or two rows a program in fp32 (decode sizes), or a tile of rows with ``tl.dot`` 
 hi + lo in registers, so any static 128x128 matrix is applied to ~16 bits and a +-1 Hadamard exactly), so neither
 the fp32 GEMM output nor the bf16 rotated rows reach memory. The products are summed in another order than cuBLAS:
 docs/numerics.md states which bytes may differ. aiter has no kernel for it: Triton on GPUs, the reference elsewhere.
-With a ``weight``, ``x`` is the input of the q side's projection and the op computes ``x @ weight^T`` (bf16, as
-eager's ``F.linear``) first: in decode one kernel does both, so q never reaches memory either.
 """
 
 from __future__ import annotations
@@ -22,20 +20,12 @@ from .._common import (check, check_devices, check_fp8, check_rope, check_rotati
 
 @once_per_signature
 def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin,
-              positions, weight) -> None:
+              positions) -> None:
     check_scale_fmt(scale_fmt)
     check_fp8("fp8_dtype", fp8_dtype)
-    if weight is not None:
-        check("weight", weight, (None, None), (torch.bfloat16,), "[heads * 128, K]")
-        if weight.shape[0] == 0 or weight.shape[0] % HEAD_DIM:
-            raise ValueError(f"weight must have a positive multiple of {HEAD_DIM} rows (heads of 128), got "
-                             f"{describe(weight)}")
-        check("x", x, (None, weight.shape[1]), (torch.bfloat16,), f"[T, K={weight.shape[1]}] (weight's K)")
-        check_devices(x=x, weight=weight)
-    elif x.dim() < 1:
+    if x.dim() < 1:
         raise ValueError(f"x must be bfloat16 [..., 128], got {describe(x)}")
-    else:
-        check("x", x, (None,) * (x.dim() - 1) + (HEAD_DIM,), (torch.bfloat16,), "[..., 128]")
+    check("x", x, (None,) * (x.dim() - 1) + (HEAD_DIM,), (torch.bfloat16,), "[..., 128]")
     check_rotation(rotation)
     if quant_block not in ROTATED_QUANT_BLOCKS:
         raise ValueError(f"quant_block must be one of {ROTATED_QUANT_BLOCKS} (groups of the 128 rotated values), got "
@@ -49,20 +39,15 @@ def _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8
         "rope_cos": rope_cos, "rope_sin": rope_sin, "positions": positions}))
 
 
-def _values_shape(x: torch.Tensor, weight: torch.Tensor | None) -> list:
-    return list(x.shape) if weight is None else [x.shape[0], weight.shape[0] // HEAD_DIM, HEAD_DIM]
-
-
-def _scale_shape(x: torch.Tensor, quant_block: int, weight: torch.Tensor | None) -> list:
-    return [*_values_shape(x, weight)[:-1], HEAD_DIM // quant_block]
+def _scale_shape(x: torch.Tensor, quant_block: int) -> list:
+    return [*x.shape[:-1], HEAD_DIM // quant_block]
 
 
 @nsa_op("rotate_act_quant")
 def rotate_act_quant(x: torch.Tensor, rotation: torch.Tensor, scale: float, divide: bool, quant_block: int,
                      scale_fmt: str, fp8_dtype: torch.dtype, fp8_max: float, rope_cos: torch.Tensor | None = None,
                      rope_sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                     rope_interleaved: bool = False,
-                     weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     rope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``act_quant(((x.float() @ rotation) * scale).to(bf16))`` (``/ scale`` with ``divide``): ``(values fp8
     [..., 128], scale fp32 [..., 128 // quant_block])``, values clamped to ``fp8_max`` (the type's own max or less:
     224 for fnuz q in SGLang).
@@ -70,25 +55,16 @@ def rotate_act_quant(x: torch.Tensor, rotation: torch.Tensor, scale: float, divi
     ``x``: bf16 ``[..., 128]``; ``rotation``: ``[128, 128]`` fp32 or bf16, any strides. With ``rope_cos`` /
     ``rope_sin`` (fp32 ``[P, r/2]``, any strides) and ``positions`` (``[T]``, x's first dim), eager's RoPE
     (``indexer.apply_rope``, interleaved pairs with ``rope_interleaved``) first turns the first ``r`` lanes of each
-    row of token ``t`` by ``positions[t]`` (docs/passes/rope_prologue.md).
-
-    With ``weight`` (bf16 ``[heads * 128, K]``, any strides): ``x`` is bf16 ``[T, K]`` (any strides) and the rows
-    are ``(x @ weight^T).view(T, heads, 128)``, rounded to bf16 once as a GEMM writes them; the outputs are ``[T,
-    heads, 128]`` and ``[T, heads, 128 // quant_block]``."""
-    _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin, positions,
-              weight)
-    positions, = contiguous(positions)
-    if weight is None:
-        x, = contiguous(x)
+    row of token ``t`` by ``positions[t]`` (docs/passes/rope_prologue.md)."""
+    _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin, positions)
+    x, positions = contiguous(x, positions)
     run = triton_or_reference("rotate_act_quant", x.device, fp8_dtype)
     return run(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin, positions,
-               rope_interleaved, weight)
+               rope_interleaved)
 
 
 @rotate_act_quant.register_fake
 def _(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None, rope_sin=None,
-      positions=None, rope_interleaved=False, weight=None):
-    _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin, positions,
-              weight)
-    return (x.new_empty(_values_shape(x, weight), dtype=fp8_dtype),
-            x.new_empty(_scale_shape(x, quant_block, weight), dtype=torch.float32))
+      positions=None, rope_interleaved=False):
+    _validate(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos, rope_sin, positions)
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty(_scale_shape(x, quant_block), dtype=torch.float32)
