@@ -399,6 +399,9 @@ def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, str
     return tl.where(lane[None, :], round_to_bf16(turned), x)
 
 
+ROTATION_PLANE = tl.constexpr(128 * 128)  # elements of one bf16 plane of a split rotation (`rotate_rows`' SPLIT 2)
+
+
 @triton.jit
 def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
     """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. ``R`` is read through its strides: a
@@ -406,28 +409,38 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: t
 
     Tiles under 16 rows (decode: one or two rows a program) multiply in fp32, row by row: the whole fp32 ``R``, the
     products as eager's fp32 GEMM forms them, summed in a tree (+0.0 after it: an all-zero row sums to +0 as in a
-    GEMM, not to -0). Larger tiles use ``tl.dot``, which needs 16 rows: an fp32 ``R`` (``SPLIT``) enters as bf16
+    GEMM, not to -0). Larger tiles use ``tl.dot``, which needs 16 rows: an fp32 ``R`` (``SPLIT`` 1) enters as bf16
     ``hi + lo`` (:func:`split_bf16`: R to ~16 bits; two dots, one where every ``lo`` is 0, as in a +-1 Hadamard), a
-    bf16 one as is. The small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small tiles")."""
+    bf16 one (``SPLIT`` 0) as is. ``SPLIT`` 2: the fp32 ``R`` split once ahead of the launch (``rot_ptr``: the bf16
+    planes hi, lo and a flag, nonzero where any ``lo`` is, as ``rotate_act_quant``'s ``split_rotation`` writes
+    them; tiles of 16+), the same values and dots without each program loading and splitting the fp32 matrix. The
+    small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small tiles")."""
     d = tl.arange(0, 128)
-    r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
-    if BLOCK < 16:
-        row = tl.arange(0, BLOCK)[:, None]
-        x = x.to(tl.float32)
-        acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
-        for i in tl.static_range(BLOCK):
-            xi = tl.sum(tl.where(row == i, x, 0.0), axis=0)  # row i as a column vector
-            acc = tl.where(row == i, (tl.sum(xi[:, None] * r, axis=0) + 0.0)[None, :], acc)
-        return acc
     acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
-    if SPLIT:
+    plane = d[:, None] * 128 + d[None, :]
+    if SPLIT == 2:
+        tl.static_assert(BLOCK >= 16)
+        acc = dot_bf16(acc, x, tl.load(rot_ptr + plane), ON_GPU)
+        any_lo = tl.load(rot_ptr + 2 * ROTATION_PLANE) != 0.0
+    else:
+        r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
+        if BLOCK < 16:
+            row = tl.arange(0, BLOCK)[:, None]
+            x = x.to(tl.float32)
+            for i in tl.static_range(BLOCK):
+                xi = tl.sum(tl.where(row == i, x, 0.0), axis=0)  # row i as a column vector
+                acc = tl.where(row == i, (tl.sum(xi[:, None] * r, axis=0) + 0.0)[None, :], acc)
+            return acc
+        if SPLIT == 0:
+            return dot_bf16(acc, x, r, ON_GPU)
         hi, lo = split_bf16(r)
         acc = dot_bf16(acc, x, hi, ON_GPU)
-        if tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0:
-            low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
-            acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
-        else:
-            acc += 0.0  # as the zeros' dot would add (-0 -> +0)
+        any_lo = tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0
+    if any_lo:
+        if SPLIT == 2:
+            lo = tl.load(rot_ptr + ROTATION_PLANE + plane)
+        low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
+        acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
     else:
-        acc = dot_bf16(acc, x, r, ON_GPU)
+        acc += 0.0  # as the zeros' dot would add (-0 -> +0)
     return acc

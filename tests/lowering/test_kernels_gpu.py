@@ -446,12 +446,13 @@ def _rotation_rows(rows: int, gen) -> torch.Tensor:
     return torch.cat([varied.bfloat16(), integer_rows(63, gen), negative_zeros]).to(DEV)
 
 
-@pytest.mark.parametrize("rows", [1, 64, 512, 4096])
+@pytest.mark.parametrize("rows", [1, 64, 512, 4096, 16384])
 @pytest.mark.parametrize("matrix", ["hadamard", "hadamard_bf16", "random_fp32"])
 @pytest.mark.parametrize("dtype", _native_fp8_types())
 def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
-    """DeepSeek decode sizes (B x 64 heads rows): within the rotation contract of the reference on the same GPU (a
-    cuBLAS fp32 GEMM); rows with exact sums bit-identical; outputs fully written."""
+    """DeepSeek decode sizes (B x 64 heads rows) and a prefill's (the fp32 rotation split once before the launch):
+    within the rotation contract of the reference on the same GPU (a cuBLAS fp32 GEMM); rows with exact sums
+    bit-identical; outputs fully written."""
     gen = torch.Generator().manual_seed(rows)
     x = _rotation_rows(rows, gen)
     h = hadamard_matrix(128) if matrix != "random_fp32" else torch.randn(128, 128, generator=gen) / 11
@@ -466,6 +467,20 @@ def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
         exact = slice(rows, None)
         assert torch.equal(got[0][exact].view(torch.uint8), want[0][exact].view(torch.uint8))
         assert torch.equal(got[1][exact], want[1][exact])
+
+
+@pytest.mark.parametrize("matrix", ["hadamard", "random_fp32"])
+def test_rotate_act_quant_rotation_split_once_gives_the_same_bytes(matrix):
+    """A prefill's q with its RoPE: the fp32 rotation split once before the launch gives the bytes of the split in
+    every program (the same bf16 planes and dots)."""
+    gen = torch.Generator().manual_seed(3)
+    x = _rotation_rows(300 * 64 - 64, gen).view(300, 64, 128)
+    h = hadamard_matrix(128) if matrix == "hadamard" else torch.randn(128, 128, generator=gen) / 11
+    args = (h.to(DEV), 128**-0.5, False, 128, "ue8m0", FN, 448.0, *_rope_tables(300, 64, gen), False)
+    once = _tk("rotate_act_quant").rotate_act_quant(x, *args, presplit=True)
+    each = _tk("rotate_act_quant").rotate_act_quant(x, *args, presplit=False)
+    assert torch.equal(once[0].view(torch.uint8), each[0].view(torch.uint8))
+    assert torch.equal(once[1].view(torch.int32), each[1].view(torch.int32))
 
 
 @pytest.mark.parametrize("block_t", [None, 1, 2])

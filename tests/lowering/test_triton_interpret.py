@@ -680,6 +680,54 @@ def test_rotate_act_quant_any_fp32_matrix_within_contract(block_m):
 
 
 @child_only
+@pytest.mark.parametrize("matrix", ["hadamard32", "hadamard_t_view", "random", "random_t_view", "one_lo"])
+@pytest.mark.parametrize("rows, block_m", [(16, 16), (37, 16), (64, 32)])
+def test_rotate_act_quant_rotation_split_once_gives_the_same_bytes(matrix, rows, block_m):
+    """An fp32 rotation split once before the launch (prefill's path) gives the bytes of the split in every program:
+    the same bf16 planes (a +-1 Hadamard: no lo plane read; a random matrix, or one with a single nonzero lo: both
+    dots), NaN and inf rows included; the reference's bytes where the sums are exact (a Hadamard)."""
+    from nsa_inductor.lowering.rotate_act_quant import reference
+
+    gen = torch.Generator().manual_seed(rows)
+    if matrix.startswith("random"):
+        rotation = torch.randn(128, 128, generator=gen) / 11
+        rotation = rotation.t() if matrix.endswith("t_view") else rotation
+        x = torch.randn(rows, 128, generator=gen).bfloat16()
+    else:
+        rotation = ROTATIONS.get(matrix, ROTATIONS["hadamard32"])()
+        if matrix == "one_lo":
+            rotation = rotation.clone()
+            rotation[5, 9] += 2.0**-12  # below bf16's precision at 1: a lo of its own
+        x = integer_rows(rows, gen)
+    x[1, 7], x[2, 100] = float("nan"), float("-inf")
+    args = (rotation, 128**-0.5, False, 64, "ue8m0", FN, 448.0)
+    kernels = _kernels("rotate_act_quant")
+    once = kernels.rotate_act_quant(x, *args, block_m=block_m, presplit=True)
+    each = kernels.rotate_act_quant(x, *args, block_m=block_m, presplit=False)
+    assert torch.equal(once[0].view(torch.uint8), each[0].view(torch.uint8))
+    assert torch.equal(once[1].view(torch.int32), each[1].view(torch.int32))
+    if matrix.startswith("hadamard"):
+        want = reference.rotate_act_quant(x, *args)
+        assert torch.equal(once[0][3:].view(torch.uint8), want[0][3:].view(torch.uint8))
+        assert torch.equal(once[1][3:], want[1][3:])
+
+
+@child_only
+def test_split_rotation_planes():
+    """The planes a split rotation holds: hi (the fp32 bits' top half), lo (the rest rounded to bf16; hi + lo to ~16
+    bits), the flag 1 only where some lo is nonzero; a transposed view read through its strides."""
+    gen = torch.Generator().manual_seed(2)
+    matrix = torch.randn(128, 128, generator=gen)
+    for rotation, any_lo in ((matrix, 1.0), (matrix.t(), 1.0), (hadamard_matrix(128), 0.0)):
+        planes = _kernels("rotate_act_quant").split_rotation(rotation)
+        hi, lo, flag = planes[:16384].view(128, 128), planes[16384:32768].view(128, 128), planes[32768]
+        want_hi = (rotation.contiguous().view(torch.int32) & -65536).view(torch.float32)
+        assert torch.equal(hi.float(), want_hi)
+        assert torch.equal(lo, (rotation - want_hi).bfloat16())
+        assert flag.item() == any_lo
+
+
+@child_only
 @pytest.mark.parametrize("layout", [(16, False), (16, True)])
 @pytest.mark.parametrize("rotation", sorted(ROTATIONS))
 @pytest.mark.parametrize("block_t", [None, 2, 16])

@@ -1,4 +1,5 @@
-"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128."""
+"""Triton kernel of ``nsa.rotate_act_quant``: one program rotates and quantizes BLOCK_M rows of 128. Many rows
+(prefill) take an fp32 rotation split into bf16 planes by one launch first, not by each program."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (fp8_values, interpreted, launch, no_fma, quantize_constants, quantize_rows,
-                              rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_rows)
+from .._triton_common import (ROTATION_PLANE, fp8_values, interpreted, launch, no_fma, quantize_constants,
+                              quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
+                              scale_rows, split_bf16)
 
 
 @triton.jit
@@ -47,11 +49,36 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                  mask=in_range[:, None])
 
 
+@triton.jit
+def _split_rotation_kernel(rot_ptr, stride_rk, stride_rn, planes_ptr):
+    """fp32 ``R`` as ``rotate_rows``' SPLIT 2 reads it: bf16 ``hi`` and ``lo`` planes (:func:`split_bf16`), then a
+    flag, 1 where any ``lo`` is nonzero."""
+    d = tl.arange(0, 128)
+    hi, lo = split_bf16(tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn))
+    plane = d[:, None] * 128 + d[None, :]
+    tl.store(planes_ptr + plane, hi.to(tl.bfloat16))
+    tl.store(planes_ptr + ROTATION_PLANE + plane, lo.to(tl.bfloat16))
+    any_lo = tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0
+    tl.store(planes_ptr + 2 * ROTATION_PLANE, tl.where(any_lo, 1.0, 0.0).to(tl.bfloat16))
+
+
+def split_rotation(rotation: torch.Tensor) -> torch.Tensor:
+    """An fp32 [128, 128] rotation split once for ``rotate_rows``' SPLIT 2: bf16 [2 * 128 * 128 + 1] (one launch)."""
+    planes = torch.empty(2 * 128 * 128 + 1, dtype=torch.bfloat16, device=rotation.device)
+    launch(_split_rotation_kernel, (1,), rotation, *rotation.stride(), planes, num_warps=4)
+    return planes
+
+
 def block_rows(rows: int) -> int:
     """Rows per program: one or two on the fp32 row path up to 512 rows (decode up to B=8), then ``tl.dot`` tiles
     of 16, 32 from 2049 rows and 64 from 4097 (BENCHMARKS.md "The rotation's small tiles", "The rotation's tiles by
     size")."""
     return 1 if rows <= 128 else 2 if rows <= 512 else 16 if rows <= 2048 else 32 if rows <= 4096 else 64
+
+
+# From this many rows an fp32 rotation is split once before the launch (`split_rotation`), not in every program:
+# one launch more, each program's 64 KB load and split less (BENCHMARKS.md "The rotation split once").
+PRESPLIT_MIN_ROWS = 32768
 
 
 def warps_for(rows: int, block_m: int) -> int:
@@ -60,20 +87,26 @@ def warps_for(rows: int, block_m: int) -> int:
 
 
 def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dtype, fp8_max, rope_cos=None,
-                     rope_sin=None, positions=None, rope_interleaved=False, block_m: int | None = None):
+                     rope_sin=None, positions=None, rope_interleaved=False, block_m: int | None = None,
+                     presplit: bool | None = None):
     """``(values fp8 [..., 128], scales fp32 [..., 128 // quant_block])`` of contiguous bf16 ``x`` (after the RoPE
-    prologue when tables are given): one launch."""
+    prologue when tables are given): one launch, two with an fp32 rotation split first (``presplit``; by default
+    from ``PRESPLIT_MIN_ROWS`` rows; tiles of 16+ rows only)."""
     values = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(*x.shape[:-1], 128 // quant_block, dtype=torch.float32, device=x.device)
     rows = x.numel() // 128
     if rows == 0:
         return values, scales
     block_m = block_m or block_rows(rows)
+    split = int(rotation.dtype == torch.float32)
+    strides = rotation.stride()
+    if split and block_m >= 16 and (rows >= PRESPLIT_MIN_ROWS if presplit is None else presplit):
+        rotation, split, strides = split_rotation(rotation), 2, (128, 1)
     kernel = _rotate_act_quant_kernel
-    launch(kernel, (triton.cdiv(rows, block_m),), x, rotation, values, scales, rows, *rotation.stride(),
+    launch(kernel, (triton.cdiv(rows, block_m),), x, rotation, values, scales, rows, *strides,
            *rope_arguments(x, rows, rope_cos, rope_sin, positions),
            ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved,
-           NO_FMA=no_fma(kernel), **scale_constants(scale, divide), SPLIT_ROTATION=rotation.dtype == torch.float32,
+           NO_FMA=no_fma(kernel), **scale_constants(scale, divide), SPLIT_ROTATION=split,
            QUANT_BLOCK=quant_block, **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt),
            ON_GPU=not interpreted(kernel), BLOCK_M=block_m, num_warps=warps_for(rows, block_m))
     return values, scales
