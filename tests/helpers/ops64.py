@@ -153,7 +153,8 @@ def random_paged_cache(lengths, page_size, dtype, gen, spare_pages=1) -> tuple[t
 
 
 def adversarial_k(fmax: float) -> torch.Tensor:
-    """Rows that stress the quantizer: amax exactly fmax*2^j, all zeros (floor), ties, -0.0, tiny values."""
+    """Rows that stress the quantizer: amax exactly fmax*2^j, all zeros (floor), ties, -0.0, tiny values, values
+    whose quotients by the scale are fp32 subnormals."""
     base = torch.linspace(-1, 1, 128)
     rows = [
         base * fmax * 2.0**-3,
@@ -165,6 +166,9 @@ def adversarial_k(fmax: float) -> torch.Tensor:
                    torch.full((120,), 2.0**-8)]),
         torch.cat([torch.tensor([448.0 * 2**-9]), torch.full((127,), 2.0**-18)]),
         base * 1e4,
+        # a large amax beside bf16 values near fp32's smallest normals: their quotients by the scale are subnormal
+        torch.cat([torch.tensor([1e4]),
+                   torch.tensor([1e-38, -1e-38, 2e-39, -2e-39, 9.2e-41, -9.2e-41]).repeat(22)[:127]]),
     ]
     return torch.stack(rows).bfloat16()
 
