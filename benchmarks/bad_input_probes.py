@@ -440,7 +440,7 @@ def probe_compiled() -> None:
                    f"eager raises {type(eager_out).__name__}; compiled: masked" if status == "ok" else str(out)[:160])
         if argument is not None:
             status, out = _call_raw(lambda: checked_fn(*batch.clone().args))
-            ok = status == "error" and f"nsa.checks: " in str(out) and argument in str(out)
+            ok = status == "error" and "nsa.checks: " in str(out) and argument in str(out)
             record("compiled steps", f"{name} (nsa.checks)", "clear error" if ok else "silent difference",
                    "" if ok else f"{status}: {str(out)[:160]}")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nsa_inductor.indexer import IndexerConfig, apply_rope, hadamard_matrix, rope_cos_sin
@@ -120,7 +119,6 @@ class EngineIndexer(nn.Module):
 
     def prefill(self, x, q_lora, positions, slot_mapping, kv_cache, block_table, seq_ids, ks, ke):
         """Token t (of sequence ``seq_ids[t]`` at ``positions[t]``) sees the batch's keys ``ks[t] <= n < ke[t]``."""
-        c = self.cfg
         q_fp8, gates = self._forward_common(x, q_lora, positions, slot_mapping, kv_cache)
         k_fp8, k_scale = self._batch_keys(kv_cache, positions, slot_mapping, block_table, seq_ids)
         dots = torch.einsum("thd,nd->thn", q_fp8.float(), k_fp8.float())

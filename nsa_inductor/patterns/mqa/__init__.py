@@ -16,7 +16,7 @@ import torch.fx
 from ...capability import LayoutDecision, cache_layout
 from ...layout import KCacheLayout
 from ..base import GraphPass, NearMiss, PassContext
-from ..fx_utils import fixed_shape, insert_call, reshape, tensor_val, val
+from ..fx_utils import fixed_shape, insert_call, reshape, tensor_val
 from .proofs import Match, analyze, cache_values, candidates, summed_partials, weight_leaves
 
 
