@@ -39,6 +39,7 @@ def interpreted(kernel) -> bool:
 
 
 _INT32 = range(-(2**31), 2**31)
+ON_CUDA = tl.constexpr(torch.version.hip is None)  # NVIDIA's fp8 conversions (ROCm's e4m3 types differ)
 _CUDA_AVAILABLE = torch.cuda.is_available()  # else (a CPU-only machine compiling kernels ahead of time) Triton's launch
 # (id of the kernel, device, argument key, keywords) -> the kernel (kept alive: its id stays its own), Triton's
 # compiled kernel and launch data
@@ -138,11 +139,19 @@ def scale_offsets(page, pos, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def round_to_bf16(x):
-    """fp32 -> nearest bf16 (ties to even), kept in fp32, by integer arithmetic on the bits: the same on GPUs and
-    in the interpreter, whose own bf16 cast rounds differently. NaN stays NaN."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, rounded)
+    """fp32 -> nearest bf16 (ties to even), kept in fp32. Compiled for a GPU: the hardware conversion (one
+    instruction; BENCHMARKS.md "Hardware roundings"); interpreted: integer arithmetic on the bits, the same rounding,
+    as the interpreter's own bf16 cast rounds differently. NaN stays NaN (its payload may differ)."""
+    if COMPILED:
+        rounded = x.to(tl.bfloat16).to(tl.float32)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        rounded = tl.where(x != x, x, rounded)
+    return rounded
+
+
+COMPILED = tl.constexpr(not interpreted(round_to_bf16))  # kernels are compiled for a GPU, not run by the interpreter
 
 
 @triton.jit
@@ -209,7 +218,11 @@ def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.const
         quotient = x * tl.math.div_rn(1.0, scale)[:, None]
     else:
         quotient = tl.math.div_rn(x, scale[:, None])
-    y = round_to_fp8_grid(tl.clamp(quotient, -FMAX, FMAX), x, MIN_EXP, SIGNED_ZERO)
+    if ON_GPU and SIGNED_ZERO and MIN_EXP == -6 and ON_CUDA:  # e4m3fn: the hardware's rounding, the sign as a bit
+        y = tl.abs(tl.clamp(quotient, -FMAX, FMAX)).to(tl.float8e4nv).to(tl.float32)
+        y = (y.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    else:
+        y = round_to_fp8_grid(tl.clamp(quotient, -FMAX, FMAX), x, MIN_EXP, SIGNED_ZERO)
     return tl.where(quotient != quotient, quotient, y), scale  # NaN stays NaN
 
 
