@@ -39,7 +39,6 @@ def interpreted(kernel) -> bool:
 
 
 _INT32 = range(-(2**31), 2**31)
-ON_CUDA = tl.constexpr(torch.version.hip is None)  # NVIDIA's fp8 conversions (ROCm's e4m3 types differ)
 _CUDA_AVAILABLE = torch.cuda.is_available()  # else (a CPU-only machine compiling kernels ahead of time) Triton's launch
 # (id of the kernel, device, argument key, keywords) -> the kernel (kept alive: its id stays its own), Triton's
 # compiled kernel and launch data
@@ -142,7 +141,7 @@ def round_to_bf16(x):
     """fp32 -> nearest bf16 (ties to even), kept in fp32. Compiled for a GPU: the hardware conversion (one
     instruction; BENCHMARKS.md "Hardware roundings"); interpreted: integer arithmetic on the bits, the same rounding,
     as the interpreter's own bf16 cast rounds differently. NaN stays NaN (its payload may differ)."""
-    if COMPILED:
+    if ON_GPU:
         rounded = x.to(tl.bfloat16).to(tl.float32)
     else:
         bits = x.to(tl.int32, bitcast=True)
@@ -151,7 +150,9 @@ def round_to_bf16(x):
     return rounded
 
 
-COMPILED = tl.constexpr(not interpreted(round_to_bf16))  # kernels are compiled for a GPU, not run by the interpreter
+# Kernels are compiled for a GPU (also ahead of time on a CPU-only machine), not run by the interpreter: the one switch
+# between the device's instructions and their emulations that the interpreter tests check against torch
+ON_GPU = tl.constexpr(not interpreted(round_to_bf16))
 
 
 @triton.jit
@@ -193,7 +194,7 @@ def round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constex
 
 @triton.jit
 def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
-                  SIGNED_ZERO: tl.constexpr, ON_GPU: tl.constexpr):
+                  SIGNED_ZERO: tl.constexpr, CUDA_ISA: tl.constexpr):
     """act_quant of each row of fp32 ``x [R, block]``: ``(values on the fp8 grid, still fp32, scale [R])``; a row
     holding NaN gets a NaN scale and NaN values, as the torch reference.
 
@@ -218,7 +219,7 @@ def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.const
         quotient = x * tl.math.div_rn(1.0, scale)[:, None]
     else:
         quotient = tl.math.div_rn(x, scale[:, None])
-    if ON_GPU and SIGNED_ZERO and MIN_EXP == -6 and ON_CUDA:  # e4m3fn: the hardware's rounding, the sign as a bit
+    if CUDA_ISA and SIGNED_ZERO and MIN_EXP == -6:  # e4m3fn: the hardware's rounding, the sign as a bit
         y = tl.abs(tl.clamp(quotient, -FMAX, FMAX)).to(tl.float8e4nv).to(tl.float32)
         y = (y.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
     else:
@@ -227,7 +228,7 @@ def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.const
 
 
 @triton.jit
-def scale_rows(y, SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, ON_GPU: tl.constexpr):
+def scale_rows(y, SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr):
     """``y * SCALE``, or ``y / SCALE`` with ``DIVIDE`` as torch divides by a Python float on the same device: on a
     GPU ``y * INV_SCALE`` (fp32 ``1/SCALE``), on the host (interpreter) an IEEE division."""
     if DIVIDE:
@@ -276,7 +277,7 @@ def split_bf16(w):
 
 
 @triton.jit
-def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
+def dot_bf16(acc, a, b):
     """``acc + a @ b`` for operands whose values are bf16: a bf16 dot on GPUs; under the interpreter (its dot
     multiplies bf16 tiles as the integers they are stored in) an exact fp32 dot of the same values."""
     if ON_GPU:
@@ -287,17 +288,19 @@ def dot_bf16(acc, a, b, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def mul_rn(a, b, NO_FMA: tl.constexpr):
-    """``a * b`` rounded on its own, as eager's separate multiply kernel: with ``NO_FMA`` (CUDA) PTX's ``mul.rn``,
-    which is never contracted into an FMA with the add after it; else a plain product (interpreter: exact; ROCm:
-    the compiler may contract it, as it may Inductor's own RoPE)."""
-    if NO_FMA:
+def mul_rn(a, b, CUDA_ISA: tl.constexpr):
+    """``a * b`` rounded on its own, as eager's separate multiply kernel: with ``CUDA_ISA`` PTX's ``mul.rn``, which
+    is never contracted into an FMA with the add after it; else a plain product (interpreter: exact; ROCm: the
+    compiler may contract it, as it may Inductor's own RoPE)."""
+    if CUDA_ISA:
         return libdevice.mul_rn(a, b)
     return a * b
 
 
-def no_fma(kernel) -> bool:
-    """The ``NO_FMA`` argument of :func:`mul_rn` for a launch of ``kernel``."""
+def cuda_isa(kernel) -> bool:
+    """The ``CUDA_ISA`` argument of a launch of ``kernel``: compiled for an NVIDIA GPU, whose own instructions
+    (``mul.rn``, the e4m3fn conversion) replace their emulations. Read per launch, not at import, so that the
+    ahead-of-time compile test decides it per target."""
     return not interpreted(kernel) and torch.version.hip is None
 
 
@@ -341,7 +344,7 @@ def _welford_combine(own_mean, own_m2, own_n, other_mean, other_m2, other_n):
 
 
 @triton.jit
-def layer_norm_rows(x, w_ptr, b_ptr, eps, ON_GPU: tl.constexpr):
+def layer_norm_rows(x, w_ptr, b_ptr, eps):
     """``F.layer_norm`` of fp32 rows ``x [BLOCK, 128]`` with fp32 weight and bias, in the order of ATen's CUDA kernel
     (``vectorized_layer_norm_kernel``: lane t of one warp runs Welford over ``x[4t:4t+4]``, the 32 lanes combine by
     halves, the other warps add nothing, ``rsqrtf(m2 / 128 + eps)``, ``w * (rstd * (x - mean)) + b`` as an FMA);
@@ -381,7 +384,7 @@ def normalized(x, mean, rstd, w, b):
 @triton.jit
 def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
               stride_sj, ln_mean, ln_rstd, ln_w_ptr, ln_b_ptr, split_stride, ROPE_DIM: tl.constexpr,
-              INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, ROUND_PARTNER: tl.constexpr, NO_FMA: tl.constexpr,
+              INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, ROUND_PARTNER: tl.constexpr, CUDA_ISA: tl.constexpr,
               SPLITS: tl.constexpr):
     """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]``) with eager's RoPE on their first ``ROPE_DIM``
     lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when ``INTERLEAVED``, turn
@@ -411,8 +414,8 @@ def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, str
     if ROUND_PARTNER:
         other = round_to_bf16(other)
     x = x.to(tl.float32)
-    turned = mul_rn(x, cos, NO_FMA)
-    cross = mul_rn(other, sin, NO_FMA)
+    turned = mul_rn(x, cos, CUDA_ISA)
+    cross = mul_rn(other, sin, CUDA_ISA)
     turned = tl.where(first[None, :], turned - cross, turned + cross)
     return tl.where(lane[None, :], round_to_bf16(turned), x)
 
@@ -421,7 +424,7 @@ ROTATION_PLANE = tl.constexpr(128 * 128)  # elements of one bf16 plane of a spli
 
 
 @triton.jit
-def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
+def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """``x [BLOCK, 128] (bf16 values) @ R [128, 128]`` accumulated in fp32. ``R`` is read through its strides: a
     transposed view (``F.linear``'s weight) is not copied.
 
@@ -438,7 +441,7 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: t
     plane = d[:, None] * 128 + d[None, :]
     if SPLIT == 2:
         tl.static_assert(BLOCK >= 16)
-        acc = dot_bf16(acc, x, tl.load(rot_ptr + plane), ON_GPU)
+        acc = dot_bf16(acc, x, tl.load(rot_ptr + plane))
         any_lo = tl.load(rot_ptr + 2 * ROTATION_PLANE) != 0.0
     else:
         r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
@@ -450,14 +453,14 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, ON_GPU: t
                 acc = tl.where(row == i, (tl.sum(xi[:, None] * r, axis=0) + 0.0)[None, :], acc)
             return acc
         if SPLIT == 0:
-            return dot_bf16(acc, x, r, ON_GPU)
+            return dot_bf16(acc, x, r)
         hi, lo = split_bf16(r)
-        acc = dot_bf16(acc, x, hi, ON_GPU)
+        acc = dot_bf16(acc, x, hi)
         any_lo = tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0
     if any_lo:
         if SPLIT == 2:
             lo = tl.load(rot_ptr + ROTATION_PLANE + plane)
-        low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo, ON_GPU)
+        low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo)
         acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
     else:
         acc += 0.0  # as the zeros' dot would add (-0 -> +0)

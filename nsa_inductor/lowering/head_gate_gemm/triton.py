@@ -9,13 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, dot_bf16, interpreted, launch, round_to_bf16, split_bf16
+from .._triton_common import cdiv, dot_bf16, launch, round_to_bf16, split_bf16
 from .reference import HEAD_GATE_K_ALIGN, head_gate_chunk
 
 
 @triton.jit
 def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, stride_xm, stride_xk, stride_wn,
-                 stride_wk, WEIGHT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_wk, WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """``out[split, rows, cols] = x[rows, chunk split] @ w[cols, chunk split]^T`` for output tile (pid_m, pid_n) of
     ``out [splits, m, n]``, accumulated in fp32. ``WEIGHT``: "bf16" (used as is), "round" (fp32 rounded to bf16) or
@@ -51,12 +51,12 @@ def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, str
             products += w.to(tl.float32) * x.to(tl.float32)
         elif WEIGHT == "split":
             hi, lo = split_bf16(w)
-            acc = dot_bf16(acc, x, tl.trans(hi), ON_GPU)
-            acc = dot_bf16(acc, x, tl.trans(lo), ON_GPU)
+            acc = dot_bf16(acc, x, tl.trans(hi))
+            acc = dot_bf16(acc, x, tl.trans(lo))
         elif WEIGHT == "round":
-            acc = dot_bf16(acc, x, tl.trans(round_to_bf16(w)), ON_GPU)
+            acc = dot_bf16(acc, x, tl.trans(round_to_bf16(w)))
         else:
-            acc = dot_bf16(acc, x, tl.trans(w), ON_GPU)
+            acc = dot_bf16(acc, x, tl.trans(w))
     if BLOCK_M == 1:
         acc = (tl.sum(products, axis=1) + 0.0)[None, :]  # +0.0: an all-zero sum is +0, as a dot's
     out = out_ptr + split.to(tl.int64) * m * n + rows[:, None].to(tl.int64) * n + cols[None, :]
@@ -65,11 +65,10 @@ def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, str
 
 @triton.jit
 def _head_gate_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, chunk, stride_xm, stride_xk, stride_wn, stride_wk,
-                           WEIGHT: tl.constexpr, ON_GPU: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one K chunk per program: grid (row tiles, column tiles, splits)."""
     split_k_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), m, n, k, chunk,
-                 stride_xm, stride_xk, stride_wn, stride_wk, WEIGHT, ON_GPU, BLOCK_M, BLOCK_N, BLOCK_K)
+                 stride_xm, stride_xk, stride_wn, stride_wk, WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @dataclass(frozen=True)
@@ -110,8 +109,7 @@ def head_gate_gemm(x, weight, splits, round_weight, out=None, config: HeadGateCo
     cfg = config or _default_head_gate_config(rows)
     mode = weight_mode(weight, round_weight)
     grid = (cdiv(rows, cfg.block_m), cdiv(n, cfg.block_n), splits)
-    kernel = _head_gate_gemm_kernel
-    launch(kernel, grid, x, weight, out, rows, n, k, head_gate_chunk(k, splits), *x.stride(), *weight.stride(),
-           WEIGHT=mode, ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-           BLOCK_K=HEAD_GATE_K_ALIGN, num_warps=4, num_stages=cfg.num_stages)
+    launch(_head_gate_gemm_kernel, grid, x, weight, out, rows, n, k, head_gate_chunk(k, splits), *x.stride(),
+           *weight.stride(), WEIGHT=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=HEAD_GATE_K_ALIGN,
+           num_warps=4, num_stages=cfg.num_stages)
     return out

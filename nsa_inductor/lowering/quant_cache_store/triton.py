@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (cdiv, fp8_values, interpreted, launch, layer_norm_rows, load_split_sum, no_fma,
+from .._triton_common import (cdiv, cuda_isa, fp8_values, launch, layer_norm_rows, load_split_sum,
                               quantize_constants, quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16,
                               scale_constants, scale_offsets, scale_rows, value_offsets)
 
@@ -43,7 +43,6 @@ def _quant_store_kernel(
     SPLITS: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    NO_FMA: tl.constexpr,
     LAYER_NORM: tl.constexpr,
     ROUND_K: tl.constexpr,
     ROTATE: tl.constexpr,
@@ -60,7 +59,7 @@ def _quant_store_kernel(
     MIN_EXP: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
     NAN_CODE: tl.constexpr,
-    ON_GPU: tl.constexpr,
+    CUDA_ISA: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,
 ):
@@ -83,23 +82,23 @@ def _quant_store_kernel(
     ln_mean = tl.zeros([BLOCK_T], tl.float32)
     ln_rstd = ln_mean
     if LAYER_NORM:
-        x, ln_mean, ln_rstd = layer_norm_rows(x, ln_w_ptr, ln_b_ptr, ln_eps, ON_GPU)
+        x, ln_mean, ln_rstd = layer_norm_rows(x, ln_w_ptr, ln_b_ptr, ln_eps)
     if ROUND_K:
         x = round_to_bf16(x).to(tl.bfloat16)  # (exact: the value is a bf16 one)
     if ROPE_DIM:
         x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, t // rows_per_token, in_range, pos_ptr, n_positions,
                       cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ln_mean, ln_rstd, ln_w_ptr,
-                      ln_b_ptr, split_stride, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, NO_FMA, SPLITS)
+                      ln_b_ptr, split_stride, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, CUDA_ISA, SPLITS)
     if ROTATE:
-        x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_T)
+        x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, BLOCK_T)
     else:
         x = x.to(tl.float32)
-    x = scale_rows(x, SCALE, INV_SCALE, DIVIDE, ON_GPU)
+    x = scale_rows(x, SCALE, INV_SCALE, DIVIDE)
     if ROUND_TO == "bf16":
         x = round_to_bf16(x)
     elif ROUND_TO == "fp16":
         x = x.to(tl.float16).to(tl.float32)
-    y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, ON_GPU)
+    y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, CUDA_ISA)
     y = fp8_values(y, values_ptr.dtype.element_ty, NAN_CODE)
     overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
     for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
@@ -137,17 +136,16 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
         return
     block_t = block_t or block_tokens(num_tokens, rotation is not None)
     rot = k if rotation is None else rotation  # any pointer: not read without a rotation
-    kernel = _quant_store_kernel
     layer_norm = ln_weight is not None
     ln_weight, ln_bias = (k, k) if ln_weight is None else (ln_weight, ln_bias)  # any pointers: not read without LN
-    launch(kernel, (cdiv(num_tokens, block_t),), k, k.stride(-2), slot_mapping, cache.view(fp8_dtype),
+    launch(_quant_store_kernel, (cdiv(num_tokens, block_t),), k, k.stride(-2), slot_mapping, cache.view(fp8_dtype),
            cache.view(torch.float32), num_tokens, cache.shape[0] * page_size, rot,
            *(rot.stride() if rotation is not None else (0, 0)),
            *rope_arguments(k, num_tokens, rope_cos, rope_sin, positions), ln_weight, ln_bias, float(ln_eps),
            k.stride(0), SPLITS=k.shape[0] if k_split_sum else 0,
            ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved,
-           NO_FMA=no_fma(kernel), LAYER_NORM=layer_norm, ROUND_K=round_k, ROTATE=rotation is not None,
+           LAYER_NORM=layer_norm, ROUND_K=round_k, ROTATE=rotation is not None,
            SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
            **scale_constants(input_scale, input_divide), ROUND_TO=_ROUND_TO[input_dtype], PAGE_SIZE=page_size,
            PRESHUFFLE=preshuffle, **quantize_constants(fp8_dtype, None, scale_fmt),
-           ON_GPU=not interpreted(kernel), BLOCK_T=block_t, SCAN_BLOCK=128, num_warps=4)
+           CUDA_ISA=cuda_isa(_quant_store_kernel), BLOCK_T=block_t, SCAN_BLOCK=128, num_warps=4)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (ROTATION_PLANE, fp8_values, interpreted, launch, no_fma, quantize_constants,
+from .._triton_common import (ROTATION_PLANE, cuda_isa, fp8_values, launch, quantize_constants,
                               quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
                               scale_rows, split_bf16)
 
@@ -15,12 +15,11 @@ from .._triton_common import (ROTATION_PLANE, fp8_values, interpreted, launch, n
 @triton.jit
 def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, stride_rk, stride_rn,
                              pos_ptr, n_positions, rows_per_token, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
-                             stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, NO_FMA: tl.constexpr,
-                             SCALE: tl.constexpr, INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr,
-                             SPLIT_ROTATION: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-                             FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
-                             SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, ON_GPU: tl.constexpr,
-                             BLOCK_M: tl.constexpr):
+                             stride_sj, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, SCALE: tl.constexpr,
+                             INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, SPLIT_ROTATION: tl.constexpr,
+                             QUANT_BLOCK: tl.constexpr, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr,
+                             MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr,
+                             CUDA_ISA: tl.constexpr, BLOCK_M: tl.constexpr):
     """``y = bf16((x' @ R) * SCALE)`` for BLOCK_M rows (``x'``: x with the RoPE of its token on its first
     ``ROPE_DIM`` lanes, ``rope_rows``; x itself without) (``rotate_rows``: fp32 accumulation, then the scale in fp32
     as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
@@ -33,12 +32,12 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
     if ROPE_DIM:
         x = rope_rows(x, x_ptr + r.to(tl.int64) * 128, r // rows_per_token, in_range, pos_ptr, n_positions, cos_ptr,
                       sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, 0.0, 0.0, cos_ptr, cos_ptr, 0, ROPE_DIM,
-                      INTERLEAVED, False, False, NO_FMA, 0)
-    y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, ON_GPU, BLOCK_M)
-    y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE, ON_GPU))
+                      INTERLEAVED, False, False, CUDA_ISA, 0)
+    y = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, BLOCK_M)
+    y = round_to_bf16(scale_rows(y, SCALE, INV_SCALE, DIVIDE))
     groups: tl.constexpr = 128 // QUANT_BLOCK
     values, scale = quantize_rows(tl.reshape(y, [BLOCK_M * groups, QUANT_BLOCK]), FMAX, INV_FMAX, UE8M0, MIN_EXP,
-                                  SIGNED_ZERO, ON_GPU)
+                                  SIGNED_ZERO, CUDA_ISA)
     tl.store(values_ptr + offsets, fp8_values(tl.reshape(values, [BLOCK_M, 128]), values_ptr.dtype.element_ty,
                                               NAN_CODE), mask=in_range[:, None])
     if groups == 1:
@@ -102,11 +101,10 @@ def rotate_act_quant(x, rotation, scale, divide, quant_block, scale_fmt, fp8_dty
     strides = rotation.stride()
     if split and block_m >= 16 and (rows >= PRESPLIT_MIN_ROWS if presplit is None else presplit):
         rotation, split, strides = split_rotation(rotation), 2, (128, 1)
-    kernel = _rotate_act_quant_kernel
-    launch(kernel, (triton.cdiv(rows, block_m),), x, rotation, values, scales, rows, *strides,
+    launch(_rotate_act_quant_kernel, (triton.cdiv(rows, block_m),), x, rotation, values, scales, rows, *strides,
            *rope_arguments(x, rows, rope_cos, rope_sin, positions),
            ROPE_DIM=0 if rope_cos is None else 2 * rope_cos.shape[1], INTERLEAVED=rope_interleaved,
-           NO_FMA=no_fma(kernel), **scale_constants(scale, divide), SPLIT_ROTATION=split,
+           **scale_constants(scale, divide), SPLIT_ROTATION=split,
            QUANT_BLOCK=quant_block, **quantize_constants(fp8_dtype, float(fp8_max), scale_fmt),
-           ON_GPU=not interpreted(kernel), BLOCK_M=block_m, num_warps=warps_for(rows, block_m))
+           CUDA_ISA=cuda_isa(_rotate_act_quant_kernel), BLOCK_M=block_m, num_warps=warps_for(rows, block_m))
     return values, scales

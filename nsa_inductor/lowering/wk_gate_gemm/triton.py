@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import interpreted, launch
+from .._triton_common import launch
 from ..head_gate_gemm.reference import head_gate_chunk
 from ..head_gate_gemm.triton import split_k_tile, weight_mode
 
@@ -48,7 +48,7 @@ def config_for(rows: int) -> WkGateConfig:
 @triton.jit
 def _wk_gate_gemm_kernel(x_ptr, gate_w_ptr, k_w_ptr, gate_out_ptr, k_out_ptr, m, gate_n, k_n, k, gate_chunk,
                          k_chunk, gate_programs, stride_xm, stride_xk, stride_gn, stride_gk, stride_kn, stride_kk,
-                         GATE_WEIGHT: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_M: tl.constexpr,
+                         GATE_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
                          GATE_BLOCK_N: tl.constexpr, K_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (row tiles, gate programs + k programs). Work item ``w`` of a product is column tile ``w % tiles`` of
     chunk ``w // tiles``: neighbouring programs read the same slice of x (from L2 after the first)."""
@@ -57,12 +57,12 @@ def _wk_gate_gemm_kernel(x_ptr, gate_w_ptr, k_w_ptr, gate_out_ptr, k_out_ptr, m,
     if work < gate_programs:
         tiles = tl.cdiv(gate_n, GATE_BLOCK_N)
         split_k_tile(x_ptr, gate_w_ptr, gate_out_ptr, pid_m, work % tiles, work // tiles, m, gate_n, k, gate_chunk,
-                     stride_xm, stride_xk, stride_gn, stride_gk, GATE_WEIGHT, ON_GPU, BLOCK_M, GATE_BLOCK_N, BLOCK_K)
+                     stride_xm, stride_xk, stride_gn, stride_gk, GATE_WEIGHT, BLOCK_M, GATE_BLOCK_N, BLOCK_K)
     else:
         work -= gate_programs
         tiles = tl.cdiv(k_n, K_BLOCK_N)
         split_k_tile(x_ptr, k_w_ptr, k_out_ptr, pid_m, work % tiles, work // tiles, m, k_n, k, k_chunk,
-                     stride_xm, stride_xk, stride_kn, stride_kk, "bf16", ON_GPU, BLOCK_M, K_BLOCK_N, BLOCK_K)
+                     stride_xm, stride_xk, stride_kn, stride_kk, "bf16", BLOCK_M, K_BLOCK_N, BLOCK_K)
 
 
 def wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, out=None,
@@ -80,10 +80,9 @@ def wk_gate_gemm(x, gate_weight, k_weight, gate_splits, k_splits, round_weight, 
     gate_programs = triton.cdiv(gate_n, cfg.gate_block_n) * gate_splits
     k_programs = triton.cdiv(k_n, cfg.k_block_n) * k_splits
     grid = (triton.cdiv(rows, cfg.block_m), gate_programs + k_programs)
-    kernel = _wk_gate_gemm_kernel
-    launch(kernel, grid, x, gate_weight, k_weight, *out, rows, gate_n, k_n, k, head_gate_chunk(k, gate_splits),
-           head_gate_chunk(k, k_splits), gate_programs, *x.stride(), *gate_weight.stride(), *k_weight.stride(),
-           GATE_WEIGHT=weight_mode(gate_weight, round_weight), ON_GPU=not interpreted(kernel), BLOCK_M=cfg.block_m,
-           GATE_BLOCK_N=cfg.gate_block_n, K_BLOCK_N=cfg.k_block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-           num_stages=cfg.num_stages)
+    launch(_wk_gate_gemm_kernel, grid, x, gate_weight, k_weight, *out, rows, gate_n, k_n, k,
+           head_gate_chunk(k, gate_splits), head_gate_chunk(k, k_splits), gate_programs, *x.stride(),
+           *gate_weight.stride(), *k_weight.stride(), GATE_WEIGHT=weight_mode(gate_weight, round_weight),
+           BLOCK_M=cfg.block_m, GATE_BLOCK_N=cfg.gate_block_n, K_BLOCK_N=cfg.k_block_n, BLOCK_K=cfg.block_k,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
