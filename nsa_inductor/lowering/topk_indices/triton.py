@@ -3,10 +3,10 @@ pre-filter that leaves the bisection a few hundred candidates, spread over many 
 one program per row for many rows.
 
 Why three paths: a row costs its CTA-wide counts and per-element work, not its bytes (a row of 8192 fp32 is 32 KB).
-The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per trial bound (halving the
-key's top bits, then interpolating) until the keys at or above the bound are exactly the ones wanted (a longer row
-is split: one program per segment selects its top k, then one per row among those); it needs the whole row in
-registers, so few programs fit an SM. The radix pre-filter takes a histogram of a digit, writes the columns
+The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per trial bound (guessed from
+the row's mean and deviation, then interpolated) until the keys at or above the bound are exactly the ones wanted
+(a longer row is split: one program per segment selects its top k, then one per row among those); it needs the
+whole row in registers, so few programs fit an SM. The radix pre-filter takes a histogram of a digit, writes the columns
 above the boundary bin at once and compacts those in it, and searches among those candidates only: in two launches
 over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its compaction
 selects), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
@@ -38,8 +38,7 @@ EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below ever
 # where rows are split (the decode steps' own logits leave too many candidates in half-octave bins; BENCHMARKS.md)
 RADIX_ROW_BINS = 128
 RADIX_SPLIT_BINS = 256
-INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search, before it halves (`_select`)
-HALVING_STEPS = tl.constexpr(8)  # of the select's search on a whole row's keys, before it interpolates (2-31)
+INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole row's two guided trials), then it halves
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
@@ -133,6 +132,86 @@ def _key_range(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
+def _key_value(u):
+    """The fp32 value of an order key (``_order_key`` inverted; key 0, below every value's, reads as NaN)."""
+    signed = (u ^ 0x80000000).to(tl.int32, bitcast=True)
+    return (signed ^ ((signed >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _add_min_max(count_a, lowest_a, highest_a, count_b, lowest_b, highest_b):
+    return count_a + count_b, tl.minimum(lowest_a, lowest_b), tl.maximum(highest_a, highest_b)
+
+
+@triton.jit
+def _add_min_max_sums(count_a, lowest_a, highest_a, total_a, squares_a, count_b, lowest_b, highest_b, total_b,
+                      squares_b):
+    return (count_a + count_b, tl.minimum(lowest_a, lowest_b), tl.maximum(highest_a, highest_b), total_a + total_b,
+            squares_a + squares_b)
+
+
+@triton.jit
+def _block_stats(u):
+    """(keys above -inf, the lowest of them, the highest key, the sum and the sum of squares of the finite values)
+    of one block of keys, in one CTA-wide reduction."""
+    finite_key = u > KEY_NEG_INF
+    x = _key_value(u)
+    x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
+    return tl.reduce((finite_key.to(tl.int32), tl.where(finite_key, u, tl.full(u.shape, 0xFFFFFFFF, tl.uint32)), u,
+                      x, x * x), 0, _add_min_max_sums)
+
+
+@triton.jit
+def _key_stats(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """``_block_stats`` of the keys at positions [0, n_pos)."""
+    if ONE_BLOCK:
+        count, lowest, highest, total, squares = _block_stats(u0)
+    else:
+        count = tl.zeros((), tl.int32)
+        lowest = tl.full((), 0xFFFFFFFF, tl.uint32)
+        highest = tl.zeros((), tl.uint32)
+        total = tl.zeros((), tl.float32)
+        squares = tl.zeros((), tl.float32)
+        for start in range(0, n_pos, BLOCK):
+            block = _block_stats(_position_keys(src, cand_keys, start + pos, n_pos, GATHER))
+            count, lowest, highest, total, squares = _add_min_max_sums(count, lowest, highest, total, squares, *block)
+    return count, lowest, highest, total, squares
+
+
+@triton.jit
+def _block_split(u, trial):
+    """(keys >= trial, the lowest of them, the highest key below trial) of one block, in one CTA-wide reduction."""
+    at = u >= trial
+    return tl.reduce((at.to(tl.int32), tl.where(at, u, tl.full(u.shape, 0xFFFFFFFF, tl.uint32)),
+                      tl.where(at, tl.zeros_like(u), u)), 0, _add_min_max)
+
+
+@triton.jit
+def _split_at(src, cand_keys, u0, pos, n_pos, trial, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+              ONE_BLOCK: tl.constexpr):
+    """``_block_split`` of the keys at positions [0, n_pos)."""
+    if ONE_BLOCK:
+        count, lowest, highest = _block_split(u0, trial)
+    else:
+        count = tl.zeros((), tl.int32)
+        lowest = tl.full((), 0xFFFFFFFF, tl.uint32)
+        highest = tl.zeros((), tl.uint32)
+        for start in range(0, n_pos, BLOCK):
+            block = _block_split(_position_keys(src, cand_keys, start + pos, n_pos, GATHER), trial)
+            count, lowest, highest = _add_min_max(count, lowest, highest, *block)
+    return count, lowest, highest
+
+
+@triton.jit
+def _upper_normal_quantile(p):
+    """z with P(Z > z) = p for a standard normal Z, p in (0, 1) (Abramowitz and Stegun 26.2.23, |error| < 4.5e-4)."""
+    tail = tl.maximum(tl.minimum(p, 1.0 - p), 1e-30)
+    t = tl.sqrt(-2.0 * tl.log(tail))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(p > 0.5, -z, z)
+
+
+@triton.jit
 def _row_length(lengths, row, n_cols, HAS_LENGTHS: tl.constexpr):
     """Columns of ``row`` taking part: ``lengths[row]`` clamped to [0, n_cols], or all."""
     length = n_cols
@@ -158,76 +237,98 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
     shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
-    radix bin's, close together, so the search starts from their range (one pass) and interpolates."""
+    radix bin's, close together, so the search starts from their range (one pass) and interpolates; else from the
+    keys' mean and deviation (one pass), then interpolates on the keys of the row next to each trial."""
     pos = tl.arange(0, BLOCK)
     u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
 
     # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
     # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
-    # hi == lo + 1 (lo, the bound, is the take-th key; above_bound of the keys are above it). The bracket starts as
-    # the keys' range with ONE_BIN (one radix bin's keys, close together), else after HALVING_STEPS halvings on the
-    # key bits from the top (the sign and the exponent's top bits: two octaves, where keys are near linear in the
-    # values). The first INTERPOLATION_STEPS trials go where the two counts say the take-th key lies (regula falsi;
-    # without ONE_BIN, where one end stays twice its count's weight is halved, the Illinois rule, so skewed values or
-    # ties still close in a few trials), then the bracket halves. With fewer than `take` values above -inf it is over
-    # at once: the -inf entries are the ties at the bound; take = 0 starts at the highest key: nothing is above it,
-    # and no tie is needed.
+    # hi == lo + 1 (lo, the bound, is the take-th key; above_bound of the keys are above it). With fewer than `take`
+    # values above -inf it is over at once: the -inf entries are the ties at the bound; take = 0 starts at the
+    # highest key: nothing is above it, and no tie is needed.
     n_valid = n_pos
     if COUNT_VALID:
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
-    n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
+    if ONE_BIN:
+        n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
+    else:
+        n_finite, lowest, highest, total, squares = _key_stats(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK,
+                                                               ONE_BLOCK)
     searching = (take > 0) & (n_finite >= take)
     settled = tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF).to(tl.uint32)  # the bound where no search runs
     above_bound = tl.where(n_finite < take, n_finite, 0)
     if ONE_BIN:
+        # One radix bin's keys, close together: from their range, each trial where the counts at the bracket's two
+        # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties).
         lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
         lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
         width = (highest - lo).to(tl.int32) + 1  # (below 2^31: the widest bin, 3, spans ~2^30 keys)
         at_bound = tl.where(searching, n_finite, n_valid)
-    else:  # halving on the key bits from the top: the bracket is [lo, lo + 2^(shift + 1))
-        lo = tl.where(searching, 0, settled).to(tl.uint32)
-        at_bound = n_valid
-        shift = tl.full((), 31, tl.uint32)
-        halving = searching & (at_bound != take)
-        while halving:
-            trial = lo | (tl.full((), 1, tl.uint32) << shift)
+        go = searching & (at_bound != take) & (width > 1)
+        step = 0
+        while go:
+            if step < INTERPOLATION_STEPS:
+                share = tl.fdiv((at_bound - take).to(tl.float32), (at_bound - above_bound).to(tl.float32),
+                                ieee_rounding=False)
+                offset = (width.to(tl.float32) * share).to(tl.int32)
+            else:
+                offset = width >> 1
+            offset = tl.minimum(tl.maximum(offset, 1), width - 1)
+            trial = lo + offset.to(tl.uint32)
             count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
-            lo = tl.where(count >= take, trial, lo)
-            above_bound = tl.where(count >= take, above_bound, count)
-            at_bound = tl.where(count >= take, count, at_bound)
-            shift -= 1
-            halving = (at_bound != take) & (shift > 31 - HALVING_STEPS)
-        width = (tl.full((), 2, tl.uint32) << shift).to(tl.int32)  # 2 to 2^30 where the search goes on
-    # lo and the bracket's width in 32 bits (lo + width may be 2^32); the trials as offsets from lo
-    go = searching & (at_bound != take) & (width > 1)
-    excess_lo = (at_bound - take).to(tl.float32)  # the counts' distances from take at the ends, as weighed
-    excess_hi = (above_bound - take).to(tl.float32)
-    kept = tl.zeros((), tl.int32)  # which end the last trial moved: 1 lo, -1 hi
-    decay = 0.5  # the Illinois rule's weight
-    if ONE_BIN:
-        decay = 1.0
-    step = 0
-    while go:
-        if step < INTERPOLATION_STEPS:
-            share = tl.fdiv(excess_lo, excess_lo - excess_hi, ieee_rounding=False)
-            offset = (width.to(tl.float32) * share).to(tl.int32)
-        else:
-            offset = width >> 1
-        offset = tl.minimum(tl.maximum(offset, 1), width - 1)
-        trial = lo + offset.to(tl.uint32)
-        count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial, GATHER, BLOCK, ONE_BLOCK)
-        raised = count >= take
-        lo = tl.where(raised, trial, lo)
-        width = tl.where(raised, width - offset, offset)
-        at_bound = tl.where(raised, count, at_bound)
-        above_bound = tl.where(raised, above_bound, count)
-        excess = (count - take).to(tl.float32)
-        excess_lo = tl.where(raised, excess, tl.where(kept < 0, decay * excess_lo, excess_lo))
-        excess_hi = tl.where(raised, tl.where(kept > 0, decay * excess_hi, excess_hi), excess)
-        kept = tl.where(raised, 1, -1)
-        go = (at_bound != take) & (width > 1)
-        step += 1
-    bound = lo
+            raised = count >= take
+            lo = tl.where(raised, trial, lo)
+            width = tl.where(raised, width - offset, offset)
+            at_bound = tl.where(raised, count, at_bound)
+            above_bound = tl.where(raised, above_bound, count)
+            go = (at_bound != take) & (width > 1)
+            step += 1
+        bound = lo
+    else:
+        # A whole row's keys: the bracket starts as the finite keys' range. The first trial is where a normal
+        # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it
+        # with that distribution's density; then regula falsi (an end that stays twice weighs half: the Illinois
+        # rule), halving after INTERPOLATION_STEPS. Each count also finds the keys next to its trial, so the
+        # bracket's ends are always keys of the row (ties close in a trial from each side).
+        lo = tl.where(searching, lowest, settled).to(tl.int64) & 0xFFFFFFFF
+        hi = (highest.to(tl.int64) & 0xFFFFFFFF) + 1
+        at_bound = tl.where(searching, n_finite, n_valid)
+        n_stats = tl.maximum(n_finite, 1).to(tl.float32)  # (the guesses are only used where n_finite >= take > 0)
+        mean = tl.fdiv(total, n_stats, ieee_rounding=False)
+        deviation = tl.sqrt(tl.maximum(tl.fdiv(squares, n_stats, ieee_rounding=False) - mean * mean, 1e-30))
+        z = _upper_normal_quantile(tl.fdiv(take.to(tl.float32), n_stats, ieee_rounding=False))
+        guess = mean + deviation * z
+        density = n_stats * 0.3989422804014327 * tl.exp(-0.5 * z * z) / deviation  # counts per unit of value
+        go = searching & (at_bound != take) & (hi - lo > 1)
+        excess_lo = (at_bound - take).to(tl.float32)  # the counts' distances from take at the ends, as weighed
+        excess_hi = (above_bound - take).to(tl.float32)
+        kept = tl.zeros((), tl.int32)  # which end the last trial moved: 1 lo, -1 hi
+        step = 0
+        while go:
+            if step < 2:
+                trial = _order_key(guess).to(tl.int64) & 0xFFFFFFFF
+            elif step < INTERPOLATION_STEPS + 2:
+                share = tl.fdiv(excess_lo, excess_lo - excess_hi, ieee_rounding=False)
+                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
+            else:
+                trial = lo + ((hi - lo) >> 1)
+            trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
+            count, above_lowest, below_highest = _split_at(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32),
+                                                           GATHER, BLOCK, ONE_BLOCK)
+            guess += ((count - take).to(tl.float32) + 0.5) / density  # (used by the second trial only)
+            raised = count >= take
+            lo = tl.where(raised, above_lowest.to(tl.int64) & 0xFFFFFFFF, lo)
+            hi = tl.where(raised, hi, (below_highest.to(tl.int64) & 0xFFFFFFFF) + 1)
+            at_bound = tl.where(raised, count, at_bound)
+            above_bound = tl.where(raised, above_bound, count)
+            excess = (count - take).to(tl.float32)
+            excess_lo = tl.where(raised, excess, tl.where(kept < 0, 0.5 * excess_lo, excess_lo))
+            excess_hi = tl.where(raised, tl.where(kept > 0, 0.5 * excess_hi, excess_hi), excess)
+            kept = tl.where(raised, 1, -1)
+            go = (at_bound != take) & (hi - lo > 1)
+            step += 1
+        bound = lo.to(tl.uint32)
 
     # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
     exact = at_bound == take
