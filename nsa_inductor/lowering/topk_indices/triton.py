@@ -144,38 +144,33 @@ def _add_min_max(count_a, lowest_a, highest_a, count_b, lowest_b, highest_b):
 
 
 @triton.jit
-def _add_min_max_sums(count_a, lowest_a, highest_a, total_a, squares_a, count_b, lowest_b, highest_b, total_b,
-                      squares_b):
-    return (count_a + count_b, tl.minimum(lowest_a, lowest_b), tl.maximum(highest_a, highest_b), total_a + total_b,
-            squares_a + squares_b)
+def _add_three(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.jit
-def _block_stats(u):
-    """(keys above -inf, the lowest of them, the highest key, the sum and the sum of squares of the finite values)
-    of one block of keys, in one CTA-wide reduction."""
-    finite_key = u > KEY_NEG_INF
+def _block_moments(u):
+    """(keys above -inf, the sum and the sum of squares of the finite values) of one block of keys, in one CTA-wide
+    reduction."""
     x = _key_value(u)
     x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
-    return tl.reduce((finite_key.to(tl.int32), tl.where(finite_key, u, tl.full(u.shape, 0xFFFFFFFF, tl.uint32)), u,
-                      x, x * x), 0, _add_min_max_sums)
+    return tl.reduce(((u > KEY_NEG_INF).to(tl.int32), x, x * x), 0, _add_three)
 
 
 @triton.jit
-def _key_stats(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """``_block_stats`` of the keys at positions [0, n_pos)."""
+def _key_moments(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr):
+    """``_block_moments`` of the keys at positions [0, n_pos)."""
     if ONE_BLOCK:
-        count, lowest, highest, total, squares = _block_stats(u0)
+        count, total, squares = _block_moments(u0)
     else:
         count = tl.zeros((), tl.int32)
-        lowest = tl.full((), 0xFFFFFFFF, tl.uint32)
-        highest = tl.zeros((), tl.uint32)
         total = tl.zeros((), tl.float32)
         squares = tl.zeros((), tl.float32)
         for start in range(0, n_pos, BLOCK):
-            block = _block_stats(_position_keys(src, cand_keys, start + pos, n_pos, GATHER))
-            count, lowest, highest, total, squares = _add_min_max_sums(count, lowest, highest, total, squares, *block)
-    return count, lowest, highest, total, squares
+            block = _block_moments(_position_keys(src, cand_keys, start + pos, n_pos, GATHER))
+            count, total, squares = _add_three(count, total, squares, *block)
+    return count, total, squares
 
 
 @triton.jit
@@ -253,8 +248,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     if ONE_BIN:
         n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
     else:
-        n_finite, lowest, highest, total, squares = _key_stats(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK,
-                                                               ONE_BLOCK)
+        n_finite, total, squares = _key_moments(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
     searching = (take > 0) & (n_finite >= take)
     settled = tl.where(take == 0, 0xFFFFFFFF, KEY_NEG_INF).to(tl.uint32)  # the bound where no search runs
     above_bound = tl.where(n_finite < take, n_finite, 0)
@@ -286,13 +280,14 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             step += 1
         bound = lo
     else:
-        # A whole row's keys: the bracket starts as the finite keys' range. The first trial is where a normal
-        # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it
-        # with that distribution's density; then regula falsi (an end that stays twice weighs half: the Illinois
-        # rule), halving after INTERPOLATION_STEPS. Each count also finds the keys next to its trial, so the
-        # bracket's ends are always keys of the row (ties close in a trial from each side).
-        lo = tl.where(searching, lowest, settled).to(tl.int64) & 0xFFFFFFFF
-        hi = (highest.to(tl.int64) & 0xFFFFFFFF) + 1
+        # A whole row's keys: the bracket starts as all keys above -inf. The first trial is where a normal
+        # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it with
+        # that distribution's density; then regula falsi (an end that stays twice weighs half: the Illinois rule),
+        # halving after INTERPOLATION_STEPS. A trial that found no key between itself and the end it moved (ties, or
+        # values far apart) makes the next count also find the row's keys next to its trial, moving the bracket's
+        # end onto them, so that a tied take-th key closes in a trial from each side; the other counts only count.
+        lo = tl.where(searching, KEY_NEG_INF + 1, settled).to(tl.int64) & 0xFFFFFFFF
+        hi = tl.full((), 1 << 32, tl.int64)
         at_bound = tl.where(searching, n_finite, n_valid)
         n_stats = tl.maximum(n_finite, 1).to(tl.float32)  # (the guesses are only used where n_finite >= take > 0)
         mean = tl.fdiv(total, n_stats, ieee_rounding=False)
@@ -300,10 +295,11 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         z = _upper_normal_quantile(tl.fdiv(take.to(tl.float32), n_stats, ieee_rounding=False))
         guess = mean + deviation * z
         density = n_stats * 0.3989422804014327 * tl.exp(-0.5 * z * z) / deviation  # counts per unit of value
-        go = searching & (at_bound != take) & (hi - lo > 1)
+        go = searching & (at_bound != take)
         excess_lo = (at_bound - take).to(tl.float32)  # the counts' distances from take at the ends, as weighed
         excess_hi = (above_bound - take).to(tl.float32)
         kept = tl.zeros((), tl.int32)  # which end the last trial moved: 1 lo, -1 hi
+        snap = tl.zeros((), tl.int1)
         step = 0
         while go:
             if step < 2:
@@ -314,12 +310,21 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             else:
                 trial = lo + ((hi - lo) >> 1)
             trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
-            count, above_lowest, below_highest = _split_at(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32),
-                                                           GATHER, BLOCK, ONE_BLOCK)
+            if snap:
+                count, above_lowest, below_highest = _split_at(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32),
+                                                               GATHER, BLOCK, ONE_BLOCK)
+                new_lo = above_lowest.to(tl.int64) & 0xFFFFFFFF
+                new_hi = (below_highest.to(tl.int64) & 0xFFFFFFFF) + 1
+            else:
+                count = _count_at_least(src, cand_keys, u0, pos, n_pos, trial.to(tl.uint32), GATHER, BLOCK,
+                                        ONE_BLOCK)
+                new_lo = trial
+                new_hi = trial
             guess += ((count - take).to(tl.float32) + 0.5) / density  # (used by the second trial only)
             raised = count >= take
-            lo = tl.where(raised, above_lowest.to(tl.int64) & 0xFFFFFFFF, lo)
-            hi = tl.where(raised, hi, (below_highest.to(tl.int64) & 0xFFFFFFFF) + 1)
+            snap = tl.where(raised, count == at_bound, count == above_bound)
+            lo = tl.where(raised, new_lo, lo)
+            hi = tl.where(raised, hi, new_hi)
             at_bound = tl.where(raised, count, at_bound)
             above_bound = tl.where(raised, above_bound, count)
             excess = (count - take).to(tl.float32)
