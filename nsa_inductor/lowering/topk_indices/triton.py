@@ -362,8 +362,9 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         tl.store(dst + slot, index.to(tl.int32), mask=chosen)
         if WRITE_KEYS:
             tl.store(keys_dst + slot, u.to(tl.int32, bitcast=True), mask=chosen)
-        above_seen += tl.sum(is_above.to(tl.int32), axis=0)
-        ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
+        if not ONE_BLOCK:  # (one block: no next block to count for)
+            above_seen += tl.sum(is_above.to(tl.int32), axis=0)
+            ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
 
 
 @triton.jit
