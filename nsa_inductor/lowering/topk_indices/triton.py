@@ -6,11 +6,11 @@ Why three paths: a row costs its CTA-wide counts and per-element work, not its b
 The bisection holds a row of up to ``MAX_BLOCK`` columns in registers and counts once per trial bound (guessed from
 the row's mean and deviation, then interpolated) until the keys at or above the bound are exactly the ones wanted
 (a longer row is split: one program per segment selects its top k, then one per row among those); it needs the
-whole row in registers, so few programs fit an SM. The radix pre-filter takes a histogram of a digit, writes the columns
-above the boundary bin at once and compacts those in it, and searches among those candidates only: in two launches
-over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its compaction
-selects), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
-per SM). No program waits on another (CUDA-graph safe).
+whole row in registers, so few programs fit an SM. The radix pre-filter takes a histogram of a digit, writes the
+columns above the boundary bin at once and compacts those in it, and searches among those candidates only: in two
+launches over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its
+compaction selects), in one launch of one program per row streaming the row in chunks where rows are many (small
+programs, many per SM). No program waits on another (CUDA-graph safe).
 Costs on the H200: BENCHMARKS.md, top-k.
 """
 
@@ -233,7 +233,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
     shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
     radix bin's, close together, so the search starts from their range (one pass) and interpolates; else from the
-    keys' mean and deviation (one pass), then interpolates on the keys of the row next to each trial."""
+    values' mean and deviation (one pass), then interpolates."""
     pos = tl.arange(0, BLOCK)
     u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
 
