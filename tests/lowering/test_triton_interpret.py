@@ -414,6 +414,26 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
 
 
 @child_only
+def test_topk_search_first_guess_is_the_normal_quantile():
+    """The whole-row search's first trial is where a normal puts the k-th value (`_upper_normal_quantile`); a wrong
+    coefficient there changes no result, only how many counts a row takes: within 1e-3 of the inverse normal."""
+    import triton
+    import triton.language as tl
+
+    tk = _kernels("topk_indices")
+
+    @triton.jit
+    def upper_quantiles(p_ptr, z_ptr, QUANTILE: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(z_ptr + i, QUANTILE(tl.load(p_ptr + i)))
+
+    p = torch.cat([torch.tensor([1e-6, 1e-3]), torch.linspace(0.01, 0.99, 60), torch.tensor([0.999, 1 - 1e-6])])
+    z = torch.empty_like(p)
+    upper_quantiles[(1,)](p, z, QUANTILE=tk._upper_normal_quantile, BLOCK=64)
+    assert torch.allclose(z.double(), -torch.special.ndtri(p.double()), atol=1e-3, rtol=0)
+
+
+@child_only
 def test_topk_indices_refuses_a_sort_its_path_cannot_make():
     """The rank sort needs the keys only the split radix path writes; the in-register sort is the bisection's."""
     tk = _kernels("topk_indices")
