@@ -38,6 +38,8 @@ EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below ever
 # where rows are split (the decode steps' own logits leave too many candidates in half-octave bins; BENCHMARKS.md)
 RADIX_ROW_BINS = 128
 RADIX_SPLIT_BINS = 256
+# A row held in one block: at most this many consecutive columns a thread (`run_for`)
+MAX_RUN = 8
 INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole row's two guided trials), then it halves
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
@@ -101,11 +103,39 @@ def _position_keys(src, cand_keys, pos, n_pos, GATHER: tl.constexpr):
 
 
 @triton.jit
+def _run_positions(BLOCK: tl.constexpr, RUN: tl.constexpr):
+    """Positions [0, BLOCK) as [BLOCK / RUN, RUN / 4, 4]: each thread holds runs of RUN consecutive columns, loaded
+    4 at a time, so that the writes' prefix sum adds within a thread and scans across threads once (``_prefix_sum``).
+    """
+    runs = tl.arange(0, BLOCK // RUN)[:, None, None] * RUN
+    return runs + tl.arange(0, RUN // 4)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+
+
+@triton.jit
+def _run_keys(src, pos, n_pos, n_readable):
+    """Keys at positions ``pos`` of a row (0 from ``n_pos``), loaded up to ``n_readable`` (the row's end: whole
+    vectors where it is a multiple of 16, as the launcher ensures for ``_run_positions``)."""
+    x = tl.load(src + pos, mask=pos < n_readable, other=float("-inf"))
+    return tl.where(pos < n_pos, _order_key(x), 0)
+
+
+@triton.jit
+def _prefix_sum(x, RUN: tl.constexpr):
+    """Inclusive prefix sum over positions: a scan of a block, or of ``_run_positions``' runs (RUN > 0) the sums
+    within each thread's run and one exclusive scan of the runs' totals."""
+    if RUN:
+        within = tl.sum(tl.cumsum(x, axis=1) - x, axis=2, keep_dims=True) + tl.cumsum(x, axis=2)
+        totals = tl.sum(tl.sum(x, axis=2), axis=1)
+        return (tl.cumsum(totals, axis=0) - totals)[:, None, None] + within
+    return tl.cumsum(x, axis=0)
+
+
+@triton.jit
 def _count_at_least(src, cand_keys, u0, pos, n_pos, bound, GATHER: tl.constexpr, BLOCK: tl.constexpr,
                     ONE_BLOCK: tl.constexpr):
     """Keys >= bound (> 0: positions without a column never count)."""
     if ONE_BLOCK:
-        count = tl.sum((u0 >= bound).to(tl.int32), axis=0)
+        count = tl.sum((u0 >= bound).to(tl.int32))
     else:
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, n_pos, BLOCK):
@@ -139,6 +169,12 @@ def _key_value(u):
 
 
 @triton.jit
+def _flat(x):
+    """x as one axis, its elements in any order (no data moves): a 1-D or ``_run_positions`` block reduced whole."""
+    return tl.reshape(x, (x.numel,), can_reorder=True)
+
+
+@triton.jit
 def _add_min_max(count_a, lowest_a, highest_a, count_b, lowest_b, highest_b):
     return count_a + count_b, tl.minimum(lowest_a, lowest_b), tl.maximum(highest_a, highest_b)
 
@@ -152,6 +188,7 @@ def _add_three(a0, a1, a2, b0, b1, b2):
 def _block_moments(u):
     """(keys above -inf, the sum and the sum of squares of the finite values) of one block of keys, in one CTA-wide
     reduction."""
+    u = _flat(u)
     x = _key_value(u)
     x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
     return tl.reduce(((u > KEY_NEG_INF).to(tl.int32), x, x * x), 0, _add_three)
@@ -176,6 +213,7 @@ def _key_moments(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl
 @triton.jit
 def _block_split(u, trial):
     """(keys >= trial, the lowest of them, the highest key below trial) of one block, in one CTA-wide reduction."""
+    u = _flat(u)
     at = u >= trial
     return tl.reduce((at.to(tl.int32), tl.where(at, u, tl.full(u.shape, 0xFFFFFFFF, tl.uint32)),
                       tl.where(at, tl.zeros_like(u), u)), 0, _add_min_max)
@@ -227,15 +265,20 @@ def _row_shift(offset, row, HAS_OFFSET: tl.constexpr):
 @triton.jit
 def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
             COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
-            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False):
+            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False, n_readable=0, RUN: tl.constexpr = 0):
     """Writes ``dst[0:take]``: the ``take`` largest keys among positions [0, n_pos) (the columns of ``src``, or with
     GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
     shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
     radix bin's, close together, so the search starts from their range (one pass) and interpolates; else from the
-    values' mean and deviation (one pass), then interpolates."""
-    pos = tl.arange(0, BLOCK)
-    u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
+    values' mean and deviation (one pass), then interpolates. RUN > 0 (a row's columns in one block, its first
+    ``n_readable`` readable): the block held as ``_run_positions``."""
+    if RUN:
+        pos = _run_positions(BLOCK, RUN)
+        u0 = _run_keys(src, pos, n_pos, n_readable)
+    else:
+        pos = tl.arange(0, BLOCK)
+        u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
 
     # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
     # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
@@ -349,7 +392,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
         is_above = (u > 0) & ((u > bound) | ((u == bound) & exact))
         is_tie = (u > 0) & (u == bound) & (at_bound != take)
-        ranks = tl.cumsum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), axis=0)  # two counts, one scan
+        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), RUN)  # two counts, one sum
         above_rank = above_seen + (ranks & 0xFFFF) - 1
         tie_rank = ties_seen + (ranks >> 16) - 1
         chosen_tie = is_tie & (tie_rank < need)
@@ -497,7 +540,7 @@ def _rank_keys(keys, slots, k):
 def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, stride_row, k, n_segments,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
-                         ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr):
+                         ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr, RUN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * stride_row
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
@@ -518,7 +561,8 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
         n_pos = n_segments * k
     shift_cols = _row_shift(offset, row, HAS_OFFSET and MODE != 1)
     _select(src, cand_keys + row * n_segments * k, cand + row * n_segments * k, n_pos, take, dst, keys_dst, col_base,
-            shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK, ONE_BLOCK)
+            shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK, ONE_BLOCK, False,
+            n_cols - col_base, RUN)
     _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS and MODE != 1, MODE == 1, BLOCK)
     if SORTED:
         _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS, K_POW2)
@@ -746,6 +790,14 @@ def segments_for(n_cols: int, k: int, block: int) -> int:
     return segments if segments > 1 and 2 * segments * k <= n_cols else 1
 
 
+def run_for(logits, block: int, warps: int) -> int:
+    """Consecutive columns a thread holds of a row held in one block (``_run_positions``; BENCHMARKS.md, top-k), or
+    0 (one column a thread, positions a lane apart) where the row's loads could not be whole 16-byte vectors: a
+    width, row stride or start that is not a multiple of 16 elements (what Triton specialises on)."""
+    aligned = logits.shape[1] % 16 == 0 and logits.stride(0) % 16 == 0 and logits.data_ptr() % 16 == 0
+    return min(max(block // (32 * warps), 8), MAX_RUN) if aligned else 0
+
+
 def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
     """Warps per program: fewer where many rows fill the GPU anyway or the block is small; more for the in-register
     sort (BENCHMARKS.md, top-k warps)."""
@@ -847,16 +899,18 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
     rows, n_cols = logits.shape
     segments = segments_for(n_cols, k, block)
     flags = dict(flags, BLOCK=block, num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
+    run = run_for(logits, block, flags["num_warps"])
     if segments == 1:
         launch(_topk_indices_kernel, (rows,), logits, lengths, offset, out, out, out, n_cols, logits.stride(0), k, 1,
-               MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, **flags)
+               MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, RUN=run if n_cols <= block else 0,
+               **flags)
     else:
         cand = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)
         cand_keys = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
         launch(_topk_indices_kernel, (rows, segments), logits, lengths, offset, cand, cand_keys, out, n_cols,
-               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False, ONE_BLOCK=True, **flags)
+               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False, ONE_BLOCK=True, RUN=run, **flags)
         launch(_topk_indices_kernel, (rows,), logits, lengths, offset, cand, cand_keys, out, n_cols, logits.stride(0),
-               k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel, ONE_BLOCK=segments * k <= block, **flags)
+               k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel, ONE_BLOCK=segments * k <= block, RUN=0, **flags)
 
 
 def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps):
