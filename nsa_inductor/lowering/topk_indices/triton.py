@@ -38,8 +38,6 @@ EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below ever
 # where rows are split (the decode steps' own logits leave too many candidates in half-octave bins; BENCHMARKS.md)
 RADIX_ROW_BINS = 128
 RADIX_SPLIT_BINS = 256
-# A row held in one block: at most this many consecutive columns a thread (`run_for`)
-MAX_RUN = 8
 INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole row's two guided trials), then it halves
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
@@ -103,30 +101,27 @@ def _position_keys(src, cand_keys, pos, n_pos, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _run_positions(BLOCK: tl.constexpr, RUN: tl.constexpr):
-    """Positions [0, BLOCK) as [BLOCK / RUN, RUN / 4, 4]: each thread holds runs of RUN consecutive columns, loaded
-    4 at a time, so that the writes' prefix sum adds within a thread and scans across threads once (``_prefix_sum``).
-    """
-    runs = tl.arange(0, BLOCK // RUN)[:, None, None] * RUN
-    return runs + tl.arange(0, RUN // 4)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+def _vector_positions(BLOCK: tl.constexpr):
+    """Positions [0, BLOCK) as [BLOCK / 4, 4]: a thread holds 4 consecutive columns at a time, loaded as one vector,
+    and the writes' prefix sum adds within them before it scans across threads (``_prefix_sum``)."""
+    return tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
 
 
 @triton.jit
-def _run_keys(src, pos, n_pos, n_readable):
+def _vector_keys(src, pos, n_pos, n_readable):
     """Keys at positions ``pos`` of a row (0 from ``n_pos``), loaded up to ``n_readable`` (the row's end: whole
-    vectors where it is a multiple of 16, as the launcher ensures for ``_run_positions``)."""
+    vectors where it is a multiple of 16, as the launcher ensures for ``_vector_positions``)."""
     x = tl.load(src + pos, mask=pos < n_readable, other=float("-inf"))
     return tl.where(pos < n_pos, _order_key(x), 0)
 
 
 @triton.jit
-def _prefix_sum(x, RUN: tl.constexpr):
-    """Inclusive prefix sum over positions: a scan of a block, or of ``_run_positions``' runs (RUN > 0) the sums
-    within each thread's run and one exclusive scan of the runs' totals."""
-    if RUN:
-        within = tl.sum(tl.cumsum(x, axis=1) - x, axis=2, keep_dims=True) + tl.cumsum(x, axis=2)
-        totals = tl.sum(tl.sum(x, axis=2), axis=1)
-        return (tl.cumsum(totals, axis=0) - totals)[:, None, None] + within
+def _prefix_sum(x, VECTORS: tl.constexpr):
+    """Inclusive prefix sum over positions: a scan of a block, or with VECTORS (``_vector_positions``) the sums
+    within each vector and one exclusive scan of the vectors' totals."""
+    if VECTORS:
+        totals = tl.sum(x, axis=1)
+        return (tl.cumsum(totals, axis=0) - totals)[:, None] + tl.cumsum(x, axis=1)
     return tl.cumsum(x, axis=0)
 
 
@@ -170,7 +165,8 @@ def _key_value(u):
 
 @triton.jit
 def _flat(x):
-    """x as one axis, its elements in any order (no data moves): a 1-D or ``_run_positions`` block reduced whole."""
+    """x as one axis, its elements in any order (no data moves): a 1-D or ``_vector_positions`` block reduced
+    whole."""
     return tl.reshape(x, (x.numel,), can_reorder=True)
 
 
@@ -265,17 +261,17 @@ def _row_shift(offset, row, HAS_OFFSET: tl.constexpr):
 @triton.jit
 def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
             COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
-            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False, n_readable=0, RUN: tl.constexpr = 0):
+            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False, n_readable=0, VECTORS: tl.constexpr = False):
     """Writes ``dst[0:take]``: the ``take`` largest keys among positions [0, n_pos) (the columns of ``src``, or with
     GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
     keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
     shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
     radix bin's, close together, so the search starts from their range (one pass) and interpolates; else from the
-    values' mean and deviation (one pass), then interpolates. RUN > 0 (a row's columns in one block, its first
-    ``n_readable`` readable): the block held as ``_run_positions``."""
-    if RUN:
-        pos = _run_positions(BLOCK, RUN)
-        u0 = _run_keys(src, pos, n_pos, n_readable)
+    values' mean and deviation (one pass), then interpolates. VECTORS (a row's columns in one block, its first
+    ``n_readable`` readable): the block held as ``_vector_positions``."""
+    if VECTORS:
+        pos = _vector_positions(BLOCK)
+        u0 = _vector_keys(src, pos, n_pos, n_readable)
     else:
         pos = tl.arange(0, BLOCK)
         u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
@@ -392,7 +388,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
         is_above = (u > 0) & ((u > bound) | ((u == bound) & exact))
         is_tie = (u > 0) & (u == bound) & (at_bound != take)
-        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), RUN)  # two counts, one sum
+        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS)  # two counts, one sum
         above_rank = above_seen + (ranks & 0xFFFF) - 1
         tie_rank = ties_seen + (ranks >> 16) - 1
         chosen_tie = is_tie & (tie_rank < need)
@@ -540,7 +536,7 @@ def _rank_keys(keys, slots, k):
 def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, stride_row, k, n_segments,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
-                         ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr, RUN: tl.constexpr):
+                         ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr, VECTORS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * stride_row
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
@@ -562,7 +558,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
     shift_cols = _row_shift(offset, row, HAS_OFFSET and MODE != 1)
     _select(src, cand_keys + row * n_segments * k, cand + row * n_segments * k, n_pos, take, dst, keys_dst, col_base,
             shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK, ONE_BLOCK, False,
-            n_cols - col_base, RUN)
+            n_cols - col_base, VECTORS)
     _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS and MODE != 1, MODE == 1, BLOCK)
     if SORTED:
         _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS, K_POW2)
@@ -790,12 +786,11 @@ def segments_for(n_cols: int, k: int, block: int) -> int:
     return segments if segments > 1 and 2 * segments * k <= n_cols else 1
 
 
-def run_for(logits, block: int, warps: int) -> int:
-    """Consecutive columns a thread holds of a row held in one block (``_run_positions``; BENCHMARKS.md, top-k), or
-    0 (one column a thread, positions a lane apart) where the row's loads could not be whole 16-byte vectors: a
-    width, row stride or start that is not a multiple of 16 elements (what Triton specialises on)."""
-    aligned = logits.shape[1] % 16 == 0 and logits.stride(0) % 16 == 0 and logits.data_ptr() % 16 == 0
-    return min(max(block // (32 * warps), 8), MAX_RUN) if aligned else 0
+def vectors_for(logits) -> bool:
+    """Whether a row held in one block is held as vectors of 4 columns (``_vector_positions``; BENCHMARKS.md, top-k),
+    or as one column a thread, positions a lane apart: only where Triton can make its loads whole vectors, a width
+    and row stride that are multiples of 16 elements and a start aligned to 16 bytes (what it specialises on)."""
+    return logits.shape[1] % 16 == 0 and logits.stride(0) % 16 == 0 and logits.data_ptr() % 16 == 0
 
 
 def warps_for(rows: int, block: int, sort_in_kernel: bool) -> int:
@@ -899,18 +894,20 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
     rows, n_cols = logits.shape
     segments = segments_for(n_cols, k, block)
     flags = dict(flags, BLOCK=block, num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
-    run = run_for(logits, block, flags["num_warps"])
+    vectors = vectors_for(logits)
     if segments == 1:
         launch(_topk_indices_kernel, (rows,), logits, lengths, offset, out, out, out, n_cols, logits.stride(0), k, 1,
-               MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block, RUN=run if n_cols <= block else 0,
-               **flags)
+               MODE=ROWS, SORTED=sort_in_kernel, ONE_BLOCK=n_cols <= block,
+               VECTORS=vectors and n_cols <= block, **flags)
     else:
         cand = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)
         cand_keys = torch.empty(rows, segments, k, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
         launch(_topk_indices_kernel, (rows, segments), logits, lengths, offset, cand, cand_keys, out, n_cols,
-               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False, ONE_BLOCK=True, RUN=run, **flags)
+               logits.stride(0), k, segments, MODE=SEGMENTS, SORTED=False, ONE_BLOCK=True, VECTORS=vectors,
+               **flags)
         launch(_topk_indices_kernel, (rows,), logits, lengths, offset, cand, cand_keys, out, n_cols, logits.stride(0),
-               k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel, ONE_BLOCK=segments * k <= block, RUN=0, **flags)
+               k, segments, MODE=CANDIDATES, SORTED=sort_in_kernel, ONE_BLOCK=segments * k <= block,
+               VECTORS=False, **flags)
 
 
 def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps):
