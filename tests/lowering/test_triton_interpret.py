@@ -363,7 +363,7 @@ def test_topk_indices_kernel_is_eager_topk_as_sets(rows, cols, k_frac, inf, with
 def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, block,
                                                 sort_chunk, interpolation_steps, seed):
     """The bisection path on ties, all-equal rows, values equal but for their last bits, NaN of either sign, -inf
-    tails; rows held in registers (as runs of columns a thread where the width is a multiple of 16) and rows
+    tails; rows held in registers (as vectors of 4 columns where the width is a multiple of 16) and rows
     streamed in blocks of 16 or 32 (every block boundary); every output slot written; sorted in the select kernel
     or, for more survivors than a sort chunk, by the chunk sort. The search makes two guided trials, then
     interpolates, then halves: also halving at once (0) or after 2 trials."""
@@ -379,6 +379,26 @@ def test_topk_indices_kernel_meets_the_contract(rows, cols, k_frac, kind, pad, s
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=out, block=block, path="bisect",
                               sort_chunk=sort_chunk)
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
+
+
+@child_only
+@pytest.mark.parametrize("pad", ["neg1", "column"])
+def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pad):
+    """A row is held as vectors of 4 columns only where Triton can prove its loads whole 16-byte vectors (width and
+    row stride multiples of 16, start 16-byte aligned); held either way, a row's selection and its order (the keys
+    above the k-th in column order, then its first ties) are the same."""
+    tk = _kernels("topk_indices")
+    base = (torch.randn(3, 80, generator=torch.Generator().manual_seed(0)) * 2).round()  # ties
+    assert tk.vectors_for(base[:, :64])
+    assert not tk.vectors_for(base[:, :60])  # width
+    assert not tk.vectors_for(torch.zeros(3, 72)[:, :64])  # row stride
+    assert not tk.vectors_for(base[:, 1:65])  # start
+    logits, lengths = base[:, :64], torch.tensor([64, 30, 0], dtype=torch.int32)
+    for k in (1, 17, 40):
+        held_as_vectors = tk.topk_indices(logits, k, lengths, None, pad)
+        with mock.patch.object(tk, "vectors_for", lambda logits: False):
+            assert torch.equal(tk.topk_indices(logits, k, lengths, None, pad), held_as_vectors)
+        assert_topk_valid(logits, held_as_vectors, k, lengths, None, pad, False)
 
 
 @child_only

@@ -165,9 +165,9 @@ def _key_value(u):
 
 @triton.jit
 def _flat(x):
-    """x as one axis, its elements in any order (no data moves): a 1-D or ``_vector_positions`` block reduced
-    whole."""
-    return tl.reshape(x, (x.numel,), can_reorder=True)
+    """x as one axis (no data moves: a thread's vectors are consecutive): a 1-D or ``_vector_positions`` block
+    reduced whole."""
+    return tl.reshape(x, (x.numel,))
 
 
 @triton.jit
