@@ -130,7 +130,7 @@ def _count_at_least(src, cand_keys, u0, pos, n_pos, bound, GATHER: tl.constexpr,
                     ONE_BLOCK: tl.constexpr):
     """Keys >= bound (> 0: positions without a column never count)."""
     if ONE_BLOCK:
-        count = tl.sum((u0 >= bound).to(tl.int32))
+        count = tl.sum(_flat((u0 >= bound).to(tl.int32)), axis=0)
     else:
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, n_pos, BLOCK):
