@@ -15,7 +15,9 @@ __all__ = ["GraphPass", "NearMiss", "PassContext", "PassResult", "passes_for"]
 def passes_for(options: NsaOptions) -> list[GraphPass]:
     """Fresh pass objects for one compile, configured by ``options``, in the order they must run.
 
-    RoPE write-backs go first so the K and q producers are plain values for the quant-store and logits matchers;
+    ``unpad_gemm`` goes first, so that every matcher sees the GEMMs as the model wrote them, not as Inductor's
+    ``pad_mm`` padded them; RoPE write-backs next, so the K and q producers are plain values for the quant-store and
+    logits matchers;
     ``rotate_act_quant`` runs after ``quant_cache_store`` (it gives the store its rotation, and fuses the q side's),
     ``rope_prologue`` after both (it moves the RoPE into the ops they made), both before ``head_gate_gemm``, whose gate
     chain then reads the fused op's scale; the logits passes run before the buffer pass, which needs to see the ``nsa``
@@ -43,12 +45,13 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     from .split_k_prologue import SplitKPrologue
     from .store_input_rounding import StoreInputRounding
     from .topk_indices import TopkIndices
+    from .unpad_gemm import UnpadGemm
     from .wk_gate_gemm import WkGateGemm
 
     head_gate = HeadGateGemm(mode=options.head_gate_mode if options.head_gate_mode != "off" else "split")
     wk_gate = WkGateGemm()
-    passes: list[GraphPass] = [RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(), head_gate,
-                               wk_gate, StoreInputRounding(), LayerNormPrologue(), SplitKPrologue(),
+    passes: list[GraphPass] = [UnpadGemm(), RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(),
+                               head_gate, wk_gate, StoreInputRounding(), LayerNormPrologue(), SplitKPrologue(),
                                PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
                                TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks(), SideStream()]
     names = [p.name for p in passes]

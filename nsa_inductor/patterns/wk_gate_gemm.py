@@ -6,8 +6,8 @@ Matches, after ``head_gate_gemm`` has fired (post-grad form after the arrow)::
     ... k reaches the K-cache store                   # nsa.quant_cache_store, or an index_put into the uint8 cache
     gates = F.linear(x.float(), W32) * ...            # nsa.head_gate_gemm(x, W32, s, r) -> select/add partial sum
 
-where both GEMMs read the same x (one value, any views) and Wk is a bf16 parameter [N <= 256, K]; also where
-Inductor's ``pad_mm`` padded x's rows for the GEMM (``mm(constant_pad_nd(x, [0, 0, 0, p]), Wk^T)[:-p]``).
+where both GEMMs read the same x (one value, any views) and Wk is a bf16 parameter [N <= 256, K] (a GEMM that
+Inductor's ``pad_mm`` padded is plain again: ``unpad_gemm`` runs first).
 Rewrites to ``g, k = nsa.wk_gate_gemm(x, W32, Wk, gate_splits, k_splits, r)``: the gate's sum as before (over
 ``g``), and ``convert(k[0] + k[1] + ..., bf16)`` in place of the bf16 GEMM. The split counts come from ``SPLITS``
 for the static token count.
@@ -122,34 +122,6 @@ def _bf16_linear(mm: torch.fx.Node, static) -> torch.fx.Node:
     return w
 
 
-def _rows_padded(a: torch.fx.Node) -> torch.fx.Node | None:
-    """The activation under ``pad_mm``'s padding of its rows with zeros (``constant_pad_nd(x, [0, 0, 0, p])``), or
-    None."""
-    if not is_op(a, aten.constant_pad_nd.default):
-        return None
-    pad, value = list(a.args[1]), a.args[2] if len(a.args) > 2 else a.kwargs.get("value", 0)
-    if len(pad) != 4 or pad[:3] != [0, 0, 0] or as_int(pad[3]) is None or as_int(pad[3]) <= 0 or value != 0:
-        return None
-    return a.args[0]
-
-
-def _unpadded_rows(mm: torch.fx.Node, rows) -> list[torch.fx.Node]:
-    """The uses of a GEMM of row-padded x: each must slice its first ``rows`` rows (``res[:-p]``), as ``pad_mm``
-    writes it; those slices then read the unpadded GEMM."""
-    padded = tensor_val(mm).shape[0]
-    slices = []
-    for user in mm.users:
-        ok = is_op(user, aten.slice.Tensor) and user.args[1] == 0 and user.args[2] == 0 and \
-            (len(user.args) < 5 or user.args[4] == 1) and len(user.args) > 3
-        end = as_int(user.args[3]) if ok else None
-        if end is None or (end if end >= 0 else as_int(padded) + end if as_int(padded) is not None else None) != \
-                as_int(rows):
-            raise NearMiss(f"{describe(mm)} multiplies x with padded rows, and {describe(user)} reads more than "
-                           "x's rows of it")
-        slices.append(user)
-    return slices
-
-
 def _first(graph: torch.fx.Graph, *nodes: torch.fx.Node) -> torch.fx.Node:
     order = {n: i for i, n in enumerate(graph.nodes)}
     return min(nodes, key=order.__getitem__)
@@ -192,24 +164,17 @@ class WkGateGemm(GraphPass):
                            f"batches (up to {MAX_TOKENS}) are fused, prefill keeps cuBLAS's wk and eager's bytes")
         gate_splits, k_splits = splits_for(as_int(rows), as_int(k))
         first = _first(graph, gate, mm)
-        x_at_first = first.args[0] if first is gate or _rows_padded(mm.args[0]) is None else mm.args[0].args[0]
         with graph.inserting_before(first):
             k_w = weight_rows(graph, mm.args[1], transposed_weight(mm.args[1]))
             both = insert_call(graph, torch.ops.nsa.wk_gate_gemm.default,
-                               (x_at_first, _available_at(graph, gate_w, first), k_w, gate_splits,
+                               (first.args[0], _available_at(graph, gate_w, first), k_w, gate_splits,
                                 k_splits, round_weight))
             gates = sum_partials(graph, insert_call(graph, operator.getitem, (both, 0)), gate_splits)
             k_sum = sum_partials(graph, insert_call(graph, operator.getitem, (both, 1)), k_splits)
             k = insert_call(graph, prims.convert_element_type.default, (k_sum, torch.bfloat16))
         gate_total.replace_all_uses_with(gates)
-        if _rows_padded(mm.args[0]) is not None:
-            slices = _unpadded_rows(mm, rows)
-            for piece in slices:
-                piece.replace_all_uses_with(k)
-            erase_dead(graph, [gate_total, *slices])
-        else:
-            mm.replace_all_uses_with(k)
-            erase_dead(graph, [gate_total, mm])
+        mm.replace_all_uses_with(k)
+        erase_dead(graph, [gate_total, mm])
 
     def _k_projection(self, graph: torch.fx.Graph, x: torch.fx.Node, static) -> torch.fx.Node:
         """The one bf16 GEMM of this x (any views of its value) with a parameter weight whose output reaches the
@@ -220,8 +185,6 @@ class WkGateGemm(GraphPass):
         found, same_x, other_x = [], [], []
         for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
             a = mm.args[0]
-            padded = _rows_padded(a)
-            a = a if padded is None else padded
             ta = tensor_val(a)
             if ta is None or ta.dtype != torch.bfloat16 or ta.dim() != 2 or tensor_val(mm).dtype != torch.bfloat16:
                 continue
@@ -232,8 +195,6 @@ class WkGateGemm(GraphPass):
                 continue
             try:
                 _bf16_linear(mm, static)
-                if padded is not None:
-                    _unpadded_rows(mm, tensor_val(x).shape[0])
                 if not _reaches_k_cache(mm):
                     raise NearMiss(f"the output of {describe(mm)} never reaches the K-cache store: its summation "
                                    "order may change only where it serves the indexer")

@@ -230,8 +230,9 @@ class PaddedKAndGate(KAndGate):
 
 @pytest.mark.parametrize("tokens, columns", [(6, False), (1, False), (6, True)])
 def test_sees_through_pad_mm_row_padding(tokens, columns):
-    """Rows padded for the GEMM (what ``pad_mm`` does to a 6-token decode on the H200): the fused op reads x itself
-    and the slice back to x's rows goes; padded K columns change the product's operands: a near miss."""
+    """Rows padded for the GEMM (what ``pad_mm`` does to a 6-token decode on the H200): ``unpad_gemm`` gives the pass
+    the plain GEMM, the fused op reads x itself; K padded on the weight before its transpose is not ``pad_mm``'s form
+    and stays: a near miss."""
     torch.manual_seed(0)
     module = type("M", (PaddedKAndGate,), {"columns": columns})()
     compiled_fn, dump_dir = compile_with_dumps(module, {}, dynamic=False)
@@ -244,10 +245,6 @@ def test_sees_through_pad_mm_row_padding(tokens, columns):
     else:
         assert report["matched"] == 1, report
         assert count_ops(after, "aten.constant_pad_nd") == 0 and gemms(after) == 0
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", "-s"]))
 
 
 def test_prefill_sized_token_counts_keep_cublas():
@@ -269,3 +266,7 @@ def test_prefill_sized_token_counts_keep_cublas():
     entry = pass_entry(graph_dir, "wk_gate_gemm")
     assert entry["matched"] == 0
     assert any("decode-sized" in m["reason"] for m in entry["near_misses"]), entry
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-s"]))

@@ -1,0 +1,102 @@
+"""unpad_gemm: a GEMM as Inductor's pad_mm leaves it (operands padded with zeros, the product cut back) becomes the
+GEMM of the unpadded operands; near misses (other padding, reads of the padded part) keep it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nsa_inductor.patterns.unpad_gemm import UnpadGemm, padded, replacement
+from helpers.pass_helpers import run_pass
+
+
+def pads(gm) -> int:
+    return sum(n.target is torch.ops.aten.constant_pad_nd.default for n in gm.graph.nodes)
+
+
+def operands(m, k, n, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n, pad_m, pad_k, pad_n", [
+    (6, 128, 64, 2, 0, 0),    # rows (tokens), as pad_mm pads the indexer's GEMMs
+    (1, 128, 64, 7, 0, 0),    # one token
+    (5, 30, 64, 0, 2, 0),     # K
+    (5, 128, 30, 0, 0, 2),    # columns
+    (5, 30, 7, 3, 2, 1),      # all three
+])
+def test_padded_gemm_becomes_the_written_one(m, k, n, pad_m, pad_k, pad_n, dtype):
+    """Every padding gone, and the result is the unpadded GEMM's, bit for bit."""
+    a, b = operands(m, k, n, dtype)
+    result, _, after, removed = run_pass(UnpadGemm(), pads, lambda a, b: padded(a, b, pad_m, pad_k, pad_n), a, b)
+    assert result.matched == 1 and not result.near_misses, result
+    assert removed == 2 and after.shape == (m, n)  # both operands' pads (``padded`` pads each, maybe by 0)
+    assert torch.equal(after, replacement(a, b))
+
+
+def test_batched_product_padded_along_columns():
+    """``bmm`` with the second operand's columns padded (the prefill logits' einsum over tokens)."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 4, 16, generator=gen), torch.randn(3, 16, 30, generator=gen)
+
+    def fn(a, b):
+        return torch.bmm(a, F.pad(b, (0, 2)))[:, :, :30]
+
+    result, _, after, removed = run_pass(UnpadGemm(), pads, fn, a, b)
+    assert result.matched == 1 and removed == 1
+    assert torch.equal(after, torch.bmm(a, b))
+
+
+def _read_past_the_rows(a, b):
+    return torch.mm(F.pad(a, (0, 0, 0, 2)), b)[: a.shape[0] + 1]
+
+
+def _slice_not_from_zero(a, b):
+    return torch.mm(F.pad(a, (0, 0, 0, 2)), b)[1: a.shape[0] + 1]
+
+
+def _padded_product_read_whole(a, b):
+    product = torch.mm(F.pad(a, (0, 0, 0, 2)), b)
+    return product[: a.shape[0]], product.sum()
+
+
+def _padded_with_ones(a, b):
+    return torch.mm(F.pad(a, (0, 0, 0, 2), value=1.0), b)[: a.shape[0]]
+
+
+def _padded_on_the_left(a, b):
+    return torch.mm(F.pad(a, (0, 0, 2, 0)), b)[2:]
+
+
+def _k_padded_on_one_side(a, b):
+    """``a``'s K padded up to ``b``'s rows: the zero columns multiply ``b``'s last rows, which unpadding would drop."""
+    return torch.mm(F.pad(a[:, :-2], (0, 2)), b)
+
+
+NEAR_MISSES = {
+    "read-past-the-rows": (_read_past_the_rows, "to other than its unpadded rows and columns"),
+    "slice-not-from-zero": (_slice_not_from_zero, "to other than its unpadded rows and columns"),
+    "padded-product-read-whole": (_padded_product_read_whole, "not only through slices back to [6, 64]"),
+    "padded-with-ones": (_padded_with_ones, "not zeros on the right of the last two dimensions"),
+    "padded-on-the-left": (_padded_on_the_left, "not zeros on the right of the last two dimensions"),
+    "k-padded-on-one-side": (_k_padded_on_one_side, "padded along K by 2 and 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_near_misses_keep_the_padding(case):
+    fn, reason = NEAR_MISSES[case]
+    a, b = operands(6, 128, 64)
+    result, before, after, removed = run_pass(UnpadGemm(), pads, fn, a, b)
+    assert result.matched == 0 and removed == 0
+    assert any(reason in m["reason"] for m in result.near_misses), result.near_misses
+    for got, want in zip(after if isinstance(after, tuple) else (after,),
+                         before if isinstance(before, tuple) else (before,)):
+        assert torch.equal(got, want)
+
+
+def test_a_gemm_without_padding_is_left_alone():
+    a, b = operands(6, 128, 64)
+    result, _, _, _ = run_pass(UnpadGemm(), pads, replacement, a, b)
+    assert result.matched == 0 and not result.near_misses
