@@ -4,6 +4,7 @@ GEMM of the unpadded operands; near misses (other padding, reads of the padded p
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import assume, given, settings, strategies as st
 
 from nsa_inductor.patterns.unpad_gemm import UnpadGemm, padded, replacement
 from helpers.pass_helpers import run_pass
@@ -33,6 +34,29 @@ def test_padded_gemm_becomes_the_written_one(m, k, n, pad_m, pad_k, pad_n, dtype
     assert result.matched == 1 and not result.near_misses, result
     assert removed == 2 and after.shape == (m, n)  # both operands' pads (``padded`` pads each, maybe by 0)
     assert torch.equal(after, replacement(a, b))
+
+
+@settings(deadline=None, max_examples=25)
+@given(batch=st.sampled_from([None, 1, 3]), m=st.integers(1, 9), k=st.integers(1, 40), n=st.integers(1, 9),
+       pad_m=st.integers(0, 7), pad_k=st.integers(0, 7), pad_n=st.integers(0, 7),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_any_zero_padding_cut_back_is_undone(batch, m, k, n, pad_m, pad_k, pad_n, dtype):
+    """Sizes from 1, any padding of rows, K and columns (none too), ``mm`` or ``bmm``: the result is the unpadded
+    GEMM's, bit for bit, and no pad is left. (Padded GEMMs that Inductor's decompositions turn into pointwise
+    products, K = 1 or a 1 x 1 result, are no GEMMs left to undo: not drawn.)"""
+    assume(k + pad_k > 1 and (m + pad_m > 1 or n + pad_n > 1))
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    lead = () if batch is None else (batch,)
+    a, b = torch.randn(*lead, m, k, generator=gen).to(dtype), torch.randn(*lead, k, n, generator=gen).to(dtype)
+    gemm = torch.mm if batch is None else torch.bmm
+
+    def fn(a, b):
+        product = gemm(F.pad(a, (0, pad_k, 0, pad_m)), F.pad(b, (0, pad_n, 0, pad_k)))
+        return product[..., : product.shape[-2] - pad_m, : product.shape[-1] - pad_n]
+
+    result, _, after, removed = run_pass(UnpadGemm(), pads, fn, a, b)
+    assert result.matched == 1 and not result.near_misses and removed == 2, result
+    assert torch.equal(after, gemm(a, b))
 
 
 def test_batched_product_padded_along_columns():
