@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import arg, as_int, describe, insert_call, is_op, slice_params, tensor_val
+from .fx_utils import arg, as_int, describe, insert_call, is_op, live_users, slice_params, tensor_val
 
 aten = torch.ops.aten
 
@@ -53,7 +53,7 @@ def _cut_back(gemm: torch.fx.Node, sizes: tuple) -> torch.fx.Node:
     next): every read of the product goes through it."""
     node = gemm
     while tuple(tensor_val(node).shape) != sizes:
-        users = list(node.users)
+        users = live_users(node)
         if len(users) != 1 or not is_op(users[0], aten.slice.Tensor):
             raise NearMiss(f"the padded product {describe(gemm)} is read by "
                            f"{', '.join(map(describe, users)) or 'nothing'}, not only through slices back to "
