@@ -456,6 +456,47 @@ def test_topk_search_first_guess_is_the_normal_quantile():
 
 
 @child_only
+@HYP
+@given(used=st.integers(1, 40), bins=st.sampled_from([128, 256]), edge=st.sampled_from([None, 0, 15, 16, 17, -16, -1]),
+       seed=st.integers(0, 999))
+def test_topk_row_boundary_from_the_segments_counts(used, bins, edge, seed):
+    """The split path's boundary bin from its segments' counts of columns at or above each bin (``_row_boundary``):
+    the bin, the columns above it and in it, as numpy finds them in the summed counts. Boundaries at the first and
+    last bins and at edges of 16-bin groups, rows of more segments than one block of them, sparse counts (runs of
+    empty bins)."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+
+    tk = _kernels("topk_indices")
+
+    @triton.jit
+    def boundary(hist, used, take, out, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr,
+                 ROW_BOUNDARY: tl.constexpr):
+        b, above, in_bin = ROW_BOUNDARY(hist, used, take, SEGMENTS_BLOCK, BINS)
+        tl.store(out, b)
+        tl.store(out + 1, above)
+        tl.store(out + 2, in_bin)
+
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, (used, bins)) * (rng.random((used, bins)) < 0.3)
+    at_least = counts[:, ::-1].cumsum(1)[:, ::-1]  # per segment: columns in each bin or above
+    row = at_least.sum(0)
+    if row[0] == 0:
+        counts[0, 0] = at_least[0, 0] = row[0] = 1
+    # a take whose boundary is bin `edge` (where that bin holds columns), else any take from 1 to all the row's
+    b_edge = None if edge is None else edge % bins
+    take = int(row[b_edge]) if b_edge is not None and row[b_edge] > (row[b_edge + 1] if b_edge + 1 < bins else 0) \
+        else int(rng.integers(1, row[0] + 1))
+    b = int(np.nonzero(row >= take)[0].max())
+    above = int(row[b + 1]) if b + 1 < bins else 0
+    out = torch.empty(3, dtype=torch.int32)
+    boundary[(1,)](torch.from_numpy(np.ascontiguousarray(at_least)).int(), used, take, out, SEGMENTS_BLOCK=16,
+                   BINS=bins, ROW_BOUNDARY=tk._row_boundary)
+    assert out.tolist() == [b, above, int(row[b]) - above]
+
+
+@child_only
 def test_topk_indices_refuses_a_sort_its_path_cannot_make():
     """The rank sort needs the keys only the split radix path writes; the in-register sort is the bisection's."""
     tk = _kernels("topk_indices")
