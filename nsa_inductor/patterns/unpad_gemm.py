@@ -76,6 +76,11 @@ class UnpadGemm(GraphPass):
                     is_op(a, aten.constant_pad_nd.default) for a in node.args[:2]):
                 yield node
 
+    def reported(self, gemm: torch.fx.Node, miss: NearMiss) -> bool:
+        """A padded product that no slice reads is the model's own padding (``pad_mm`` cuts back every padded row or
+        column; a product padded along K alone never misses): no report."""
+        return any(is_op(user, aten.slice.Tensor) for user in live_users(gemm))
+
     def rewrite(self, graph: torch.fx.Graph, gemm: torch.fx.Node, ctx: PassContext | None) -> torch.fx.Node:
         ndim = tensor_val(gemm).dim()
         a, (m, k_a) = _zero_padding(gemm.args[0], ndim)
