@@ -50,7 +50,7 @@ def _zero_padding(operand: torch.fx.Node, ndim: int) -> tuple[torch.fx.Node, tup
 
 def _cut_back(gemm: torch.fx.Node, sizes: tuple) -> torch.fx.Node:
     """The node that reads ``gemm``'s product cut back to ``sizes`` through slices from 0 (each read only by the
-    next): every read of the product goes through it."""
+    next; a slice may also keep its dimension whole): every read of the product goes through it."""
     node = gemm
     while tuple(tensor_val(node).shape) != sizes:
         users = live_users(node)
@@ -58,10 +58,10 @@ def _cut_back(gemm: torch.fx.Node, sizes: tuple) -> torch.fx.Node:
             raise NearMiss(f"the padded product {describe(gemm)} is read by "
                            f"{', '.join(map(describe, users)) or 'nothing'}, not only through slices back to "
                            f"{list(sizes)}")
-        node = users[0]
+        before, node = tensor_val(node).shape, users[0]
         dim, start, _, step = slice_params(node, 1)
         dim %= len(sizes)
-        if start != 0 or step != 1 or tensor_val(node).shape[dim] != sizes[dim]:
+        if start != 0 or step != 1 or tensor_val(node).shape[dim] not in (sizes[dim], before[dim]):
             raise NearMiss(f"{describe(node)} cuts the padded product {describe(gemm)} to other than its unpadded "
                            "rows and columns")
     return node

@@ -59,6 +59,19 @@ def test_any_zero_padding_cut_back_is_undone(batch, m, k, n, pad_m, pad_k, pad_n
     assert torch.equal(after, gemm(a, b))
 
 
+def test_slices_that_keep_a_dimension_whole_are_seen_through():
+    """``res[:-m, :]`` then ``res[:, :-n]`` may leave slices of a whole dimension between the cuts."""
+    a, b = operands(6, 128, 30)
+
+    def fn(a, b):
+        product = torch.mm(F.pad(a, (0, 0, 0, 2)), F.pad(b, (0, 2)))
+        return torch.ops.aten.slice(torch.ops.aten.slice(torch.ops.aten.slice(product, 1, 0, 32), 0, 0, 6), 1, 0, 30)
+
+    result, _, after, removed = run_pass(UnpadGemm(), pads, fn, a, b)
+    assert result.matched == 1 and removed == 2
+    assert torch.equal(after, replacement(a, b))
+
+
 def test_batched_product_padded_along_columns():
     """``bmm`` with the second operand's columns padded (the prefill logits' einsum over tokens)."""
     gen = torch.Generator().manual_seed(1)
