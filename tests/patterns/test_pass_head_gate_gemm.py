@@ -1,7 +1,7 @@
 """head_gate_gemm: the fp32 head-gate GEMM becomes a bf16-input / fp32-output GEMM, for parameter weights only.
 
 The rewrite changes numerics by design; the bounds asserted here are the ones documented in
-README.md, section head_gate_gemm (measured on the small configs, CPU).
+docs/numerics.md, section "Head-gate GEMM" (measured on the small configs, CPU).
 """
 
 import functools
@@ -25,7 +25,7 @@ LAYOUT = KCacheLayout(16)
 OTHERS_OFF = {"nsa.layout": "paged", "nsa.page_size": 16,
               "nsa.disable_passes": ["quant_cache_store", "paged_mqa_logits", "ragged_mqa_logits", "wk_gate_gemm"]}
 
-# Documented bounds (README.md, section head_gate_gemm). "split" is the default rewrite (W = hi + lo, both bf16);
+# Documented bounds (docs/numerics.md, "Head-gate GEMM"). "split" is the default rewrite (W = hi + lo, both bf16);
 # "round" rounds W to bf16 once.
 BOUNDS = {
     "split": {"rel_err": 1e-4, "topk_exact": 0.99, "jaccard": 0.995},
