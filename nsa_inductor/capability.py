@@ -40,6 +40,7 @@ ENV_DISABLE_AITER = "NSA_INDUCTOR_DISABLE_AITER"
 ENV_DUMP_DIR = "NSA_INDUCTOR_DUMP_DIR"
 ENV_AITER_AOT = "AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS"
 ENV_CHECKS = "NSA_INDUCTOR_CHECKS"
+ENV_DISABLE_PDL = "NSA_INDUCTOR_DISABLE_PDL"
 
 LAYOUT_NAMES = ("flat", "paged", "preshuffle")
 DEFAULT_PAGE_SIZE = 64
@@ -119,6 +120,8 @@ class Capability:
     # the version decides.
     aiter_params: tuple[str, ...] | None = None
     index_checks: bool = False  # NSA_INDUCTOR_CHECKS: every nsa op call asserts its index arguments
+    cuda_arch: int = 0  # NVIDIA compute capability as major * 10 + minor (90: H100/H200); 0 elsewhere
+    pdl_disabled: bool = False  # NSA_INDUCTOR_DISABLE_PDL
 
     def aiter_has(self, feature: str) -> bool:
         """Whether the installed aiter has ``feature`` (a key of ``AITER_FEATURES``)."""
@@ -152,6 +155,12 @@ class Capability:
         return self.platform in ("cuda", "rocm") and self.triton_version is not None
 
     @property
+    def programmatic_launch(self) -> bool:
+        """Whether the Triton kernels are launched as programmatic dependent launches (``_triton_common.launch``,
+        ``wait_for_previous_grid``): NVIDIA from Hopper (sm_90) on, unless NSA_INDUCTOR_DISABLE_PDL is set."""
+        return self.platform == "cuda" and self.cuda_arch >= 90 and not self.pdl_disabled
+
+    @property
     def kernel_backend(self) -> str:
         if self.use_aiter:
             return "aiter"
@@ -183,6 +192,11 @@ def _platform() -> tuple[str, str]:
 def _gfx_arch() -> str:
     """``gfx942`` from ``gcnArchName`` (which may read ``gfx942:sramecc+:xnack-``)."""
     return getattr(torch.cuda.get_device_properties(0), "gcnArchName", "").split(":")[0]
+
+
+def _cuda_arch() -> int:
+    major, minor = torch.cuda.get_device_capability(0)
+    return major * 10 + minor
 
 
 def _rocm_fp8_dtype(arch: str) -> torch.dtype:
@@ -275,6 +289,8 @@ def capability() -> Capability:
         aiter_aot_bundle=use and _aiter_aot_bundle(),
         aiter_params=_aiter_params() if use else None,
         index_checks=_env_flag(ENV_CHECKS),
+        cuda_arch=_cuda_arch() if platform == "cuda" else 0,
+        pdl_disabled=_env_flag(ENV_DISABLE_PDL),
     )
 
 
@@ -498,6 +514,10 @@ def describe(decision: LayoutDecision | None = None, cap: Capability | None = No
     else:
         aiter = "no"
     checks = f" checks=on ({ENV_CHECKS})" if cap.index_checks else ""
+    if cap.programmatic_launch:
+        checks += " pdl=on"
+    elif cap.pdl_disabled and cap.platform == "cuda":
+        checks += f" pdl=off ({ENV_DISABLE_PDL})"
     return (
         f"nsa_inductor: platform={cap.platform} ({cap.device_name}{arch}) kernels={cap.kernel_backend} "
         f"triton={cap.triton_version or 'none'} aiter={aiter} "

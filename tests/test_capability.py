@@ -163,9 +163,14 @@ CPU = cap_mod.Capability(platform="cpu", device_name="cpu", aiter_available=Fals
                          triton_version="3.6.0", aiter_aot=False, preshuffle_disabled=False,
                          fp8_dtype=torch.float8_e4m3fn)
 
+H200 = dataclasses.replace(CPU, platform="cuda", device_name="NVIDIA H200", cuda_arch=90)
+
 # simulated machine, env overrides -> fragments describe() must contain
 DESCRIBE_TABLE = [
-    (CPU, {}, ["platform=cpu", "aiter=no", "layout=paged(page_size=64)"], ["ops:"]),
+    (CPU, {}, ["platform=cpu", "aiter=no", "layout=paged(page_size=64)"], ["ops:", "pdl"]),
+    (H200, {}, ["platform=cuda (NVIDIA H200)", "kernels=triton", "pdl=on", "layout=paged(page_size=64)"], ["ops:"]),
+    (dataclasses.replace(H200, pdl_disabled=True), {}, ["pdl=off (NSA_INDUCTOR_DISABLE_PDL)"], ["pdl=on"]),
+    (dataclasses.replace(H200, device_name="NVIDIA A100", cuda_arch=80), {}, ["kernels=triton"], ["pdl"]),
     (rocm("3.6.0", aiter="0.1.20"), {},
      ["gfx942", "aiter=0.1.20", "layout=preshuffle(page_size=64)", "quant_cache_store=aiter",
       "gather_k=triton [cp_gather_indexer_k_quant_cache needs num_tokens == cu_seqlens[-1]",
@@ -200,7 +205,7 @@ DESCRIBE_TABLE = [
      ["layout=flat(page_size=1)", "gluon paged-MQA kernels need gfx942/gfx950/gfx1250, this GPU is gfx90a"], []),
     (rocm("3.6.0", aiter="0.1.20", aiter_disabled=True), {},
      ["kernels=triton", "disabled by NSA_INDUCTOR_DISABLE_AITER", "layout=paged(page_size=64)"], ["ops:"]),
-    (rocm("3.6.0", aiter=None), {}, ["aiter=no", "kernels=triton", "layout=paged(page_size=64)"], ["ops:"]),
+    (rocm("3.6.0", aiter=None), {}, ["aiter=no", "kernels=triton", "layout=paged(page_size=64)"], ["ops:", "pdl"]),
 ]
 
 

@@ -16,8 +16,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..capability import capability
 from ..layout import HEAD_DIM
 from ..quant import AMAX_FLOOR, fp8_max
+
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # a Triton without its NVIDIA backend: programmatic launches are never on there
+    gdc_wait = None
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
@@ -64,6 +70,11 @@ def _other_argument_key(a) -> object:
     return float if isinstance(a, float) else a
 
 
+@functools.cache
+def _programmatic_launch() -> bool:
+    return capability().programmatic_launch
+
+
 def launch(kernel, grid: tuple, *args, **keywords) -> None:
     """``kernel[grid](*args, **keywords)``, at a fraction of the host cost from the second call of a signature.
 
@@ -72,7 +83,11 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     what Triton specialises on (``_argument_key``, the keywords: constexprs and launch options), so a repeated key
     runs the kernel Triton compiled for its first call, through Triton's own launcher and launch hooks. CUDA only:
     ROCm's Triton also specialises on buffer sizes; the interpreter takes Triton's path too. The module constants a
-    kernel reads are taken as fixed for the process (Triton's path rejects a changed one; this one does not look)."""
+    kernel reads are taken as fixed for the process (Triton's path rejects a changed one; this one does not look).
+    Where ``capability().programmatic_launch`` holds, every kernel is a programmatic dependent launch (Triton's
+    ``launch_pdl``, and the kernel's ``PDL`` for ``wait_for_previous_grid``)."""
+    if _programmatic_launch() and not interpreted(kernel):
+        keywords["PDL"] = keywords["launch_pdl"] = True
     if interpreted(kernel) or torch.version.hip is not None or not _CUDA_AVAILABLE:
         kernel[grid](*args, **keywords)
         return
@@ -95,6 +110,17 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     described = None if enter is None or not getattr(enter, "calls", True) else compiled.launch_metadata(
         grid[:3], stream, *args, *tail)  # what a hook (a profiler) is told; Triton's hooks are an empty chain
     run(grid[0], grid[1], grid[2], stream, function, metadata, described, enter, leave, *args, *tail)
+
+
+@triton.jit
+def wait_for_previous_grid(PDL: tl.constexpr):
+    """First in every kernel. With PDL (launched as a programmatic dependent launch, Hopper and later): waits until
+    the stream's previous kernel has finished and its writes are visible. Why: such a launch may start as the previous
+    kernel's last programs exit, before its completion is signalled, so a step's chain of short kernels loses the gap
+    between them (BENCHMARKS.md, programmatic launches). Nothing may be read or written before the wait. No kernel
+    lets its successor start earlier than its own end (``gdc_launch_dependents``): that made sorted steps slower."""
+    if PDL:
+        gdc_wait()
 
 
 def empty_k_rows(num_tokens: int, fp8_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:

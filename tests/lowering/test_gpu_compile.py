@@ -27,7 +27,7 @@ TARGETS = {"sm_90": (GPUTarget("cuda", 90, 32), torch.float8_e4m3fn, False),
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
                  torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
                  torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 
 def _module(op: str):
@@ -105,7 +105,8 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
 
 def _specialisations(fp8: torch.dtype, preshuffle: bool, hip: bool) -> dict:
     """{(kernel name, signature, constexprs, options): (kernel, signature, constexprs, options)} of every launch, as
-    the launchers make them on that platform (``hip``: ``torch.version.hip`` set, as on ROCm)."""
+    the launchers make them on that platform (``hip``: ``torch.version.hip`` set, as on ROCm; else an sm_90 GPU:
+    programmatic dependent launches)."""
     found = {}
 
     def record(self, *args, grid, warmup, **kwargs):
@@ -130,7 +131,8 @@ def _specialisations(fp8: torch.dtype, preshuffle: bool, hip: bool) -> dict:
         found.setdefault(key, (self, signature, constexprs, options))
 
     with (mock.patch.object(JITFunction, "run", record), mock.patch.object(torch.version, "hip", "6.3" if hip else None),
-          mock.patch.object(common, "_CUDA_AVAILABLE", False)):  # every launch through Triton's (recorded) run
+          mock.patch.object(common, "_CUDA_AVAILABLE", False),  # every launch through Triton's (recorded) run
+          mock.patch.object(common, "_programmatic_launch", lambda: not hip)):
         for op, args, kwargs in _calls(fp8, preshuffle):
             getattr(_module(op), op)(*args, **kwargs)
     return found

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, empty_k_rows, launch, readable_index, scale_offsets, value_offsets
+from .._triton_common import (cdiv, empty_k_rows, launch, readable_index, scale_offsets, value_offsets,
+                              wait_for_previous_grid)
 
 
 @triton.jit
@@ -26,9 +27,11 @@ def _gather_k_kernel(
     PRESHUFFLE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Copy BLOCK_R output rows (raw fp8 bytes + scale); rows past ``cu_seqlens[-1]``, before ``cu_seqlens[0]`` or
     on an unreadable page get zeros."""
+    wait_for_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, 128)
     # Binary search: the sequence of row r is the first b with cu[b+1] > r.

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, empty_k_rows, launch, readable_index, scale_offsets, value_offsets
+from .._triton_common import (cdiv, empty_k_rows, launch, readable_index, scale_offsets, value_offsets,
+                              wait_for_previous_grid)
 
 
 @triton.jit
@@ -27,9 +28,11 @@ def _gather_k_slots_kernel(
     PRESHUFFLE: tl.constexpr,
     BY_SEQUENCE: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Copy BLOCK_R tokens' rows (raw fp8 bytes + scale); each id wraps as a Python index where it is in range
     (``readable_index``), a token with any other id gets zeros."""
+    wait_for_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, 128)
     in_rows = rows < num_tokens

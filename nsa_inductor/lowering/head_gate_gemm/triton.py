@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, dot_bf16, launch, round_to_bf16, split_bf16
+from .._triton_common import cdiv, dot_bf16, launch, round_to_bf16, split_bf16, wait_for_previous_grid
 from .reference import HEAD_GATE_K_ALIGN, head_gate_chunk
 
 
@@ -65,8 +65,10 @@ def split_k_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, split, m, n, k, chunk, str
 
 @triton.jit
 def _head_gate_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, chunk, stride_xm, stride_xk, stride_wn, stride_wk,
-                           WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] output tile of one K chunk per program: grid (row tiles, column tiles, splits)."""
+    wait_for_previous_grid(PDL)
     split_k_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), m, n, k, chunk,
                  stride_xm, stride_xk, stride_wn, stride_wk, WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K)
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, launch
+from .._triton_common import cdiv, launch, wait_for_previous_grid
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ def _mqa_logits_kernel(
     heads,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``out[t, n] = k_scale[n] * sum_h w[t,h] * relu(q8[t,h] . k8[n])`` on one tile, -inf outside [ks, ke).
 
@@ -45,6 +46,7 @@ def _mqa_logits_kernel(
     Tiles outside every row's window only store -inf. Key tiles are the fast grid axis, so programs running at the
     same time share their q rows (all heads: BLOCK_M * H * 128 bytes) in L2.
     """
+    wait_for_previous_grid(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)

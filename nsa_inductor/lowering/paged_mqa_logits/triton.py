@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import cdiv, launch, next_power_of_2, scale_offsets, value_offsets, wrapped_index
+from .._triton_common import (cdiv, launch, next_power_of_2, scale_offsets, value_offsets, wait_for_previous_grid,
+                              wrapped_index)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def _paged_mqa_logits_kernel(
     HEADS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (b, c) writes columns [c*CHUNK, (c+1)*CHUNK) of the next_n rows of sequence b.
 
@@ -76,6 +78,7 @@ def _paged_mqa_logits_kernel(
     chunks wholly past the context only store -inf, and keys on an unreadable page (docs/indices.md) are -inf, never
     loaded.
     """
+    wait_for_previous_grid(PDL)
     b = tl.program_id(0)
     start = tl.program_id(1) * CHUNK
     ctx = tl.load(ctx_ptr + b)

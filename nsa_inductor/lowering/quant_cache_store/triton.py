@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (cdiv, cuda_isa, fp8_values, launch, layer_norm_rows, load_split_sum,
-                              quantize_constants, quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16,
-                              scale_constants, scale_offsets, scale_rows, value_offsets)
+from .._triton_common import (cdiv, cuda_isa, fp8_values, launch, layer_norm_rows, load_split_sum, quantize_constants,
+                              quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
+                              scale_offsets, scale_rows, value_offsets, wait_for_previous_grid)
 
 
 @triton.jit
@@ -62,6 +62,7 @@ def _quant_store_kernel(
     CUDA_ISA: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
     ``ROTATE``: ``rotate_rows``; before that the RoPE of the first ``ROPE_DIM`` lanes: ``rope_rows``) rounded to
@@ -72,6 +73,7 @@ def _quant_store_kernel(
     of the store has the same slot (docs/indices.md: the last token writes a shared slot). Each program finds the
     later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a few
     KB in decode, read from L2 by every program)."""
+    wait_for_previous_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens

@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (ROTATION_PLANE, cuda_isa, fp8_values, launch, quantize_constants,
-                              quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
-                              scale_rows, split_bf16)
+from .._triton_common import (ROTATION_PLANE, cuda_isa, fp8_values, launch, quantize_constants, quantize_rows,
+                              rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants, scale_rows,
+                              split_bf16, wait_for_previous_grid)
 
 
 @triton.jit
@@ -19,11 +19,12 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                              INV_SCALE: tl.constexpr, DIVIDE: tl.constexpr, SPLIT_ROTATION: tl.constexpr,
                              QUANT_BLOCK: tl.constexpr, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr,
                              MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr,
-                             CUDA_ISA: tl.constexpr, BLOCK_M: tl.constexpr):
+                             CUDA_ISA: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """``y = bf16((x' @ R) * SCALE)`` for BLOCK_M rows (``x'``: x with the RoPE of its token on its first
     ``ROPE_DIM`` lanes, ``rope_rows``; x itself without) (``rotate_rows``: fp32 accumulation, then the scale in fp32
     as torch applies it, ``scale_rows``, and the bf16 rounding eager does), then act_quant of each QUANT_BLOCK
     group of ``y`` (``quantize_rows``)."""
+    wait_for_previous_grid(PDL)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, 128)
     in_range = r < rows
@@ -49,9 +50,10 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
 
 
 @triton.jit
-def _split_rotation_kernel(rot_ptr, stride_rk, stride_rn, planes_ptr):
+def _split_rotation_kernel(rot_ptr, stride_rk, stride_rn, planes_ptr, PDL: tl.constexpr = False):
     """fp32 ``R`` as ``rotate_rows``' SPLIT 2 reads it: bf16 ``hi`` and ``lo`` planes (:func:`split_bf16`), then a
     flag, 1 where any ``lo`` is nonzero."""
+    wait_for_previous_grid(PDL)
     d = tl.arange(0, 128)
     hi, lo = split_bf16(tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn))
     plane = d[:, None] * 128 + d[None, :]

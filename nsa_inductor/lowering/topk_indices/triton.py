@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import launch, next_power_of_2
+from .._triton_common import launch, next_power_of_2, wait_for_previous_grid
 
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
@@ -463,9 +463,10 @@ def _sorted_slots(k, length, PAD_COLUMNS: tl.constexpr):
 @triton.jit
 def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, stride_row, k, n_chunks,
                         HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
-                        CHUNK: tl.constexpr):
+                        CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, c): entries [c*CHUNK, (c+1)*CHUNK) of the row's k as sort keys, sorted descending, to
     ``sorted_chunks[row, c]``; nothing for a chunk past the slots to sort (``_sorted_slots``)."""
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
@@ -480,12 +481,13 @@ def _sort_chunks_kernel(logits, lengths, offset, out, sorted_chunks, n_cols, str
 @triton.jit
 def _merge_chunks_kernel(sorted_chunks, lengths, out, n_cols, k, n_chunks, HAS_LENGTHS: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, CHUNK: tl.constexpr, PART: tl.constexpr,
-                         CHUNKS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+                         CHUNKS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, c, p): each entry of part p (PART entries) of sorted chunk c goes to its rank in the row, its
     position in c plus, per other chunk, the entries above it there (a binary search; equal keys, the -1 entries,
     count as above in earlier chunks); the ranks are a permutation of the row's slots. Chunks past the slots to sort
     (all -1, ``_sorted_slots``) are neither placed (their ranks are their own slots) nor searched (nothing in them is
     above any entry). (Parts: more programs, each with fewer searches in flight, where there are few rows.)"""
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     n_sorted = _sorted_slots(k, _row_length(lengths, row, n_cols, HAS_LENGTHS), PAD_COLUMNS)
@@ -509,12 +511,14 @@ def _merge_chunks_kernel(sorted_chunks, lengths, out, n_cols, k, n_chunks, HAS_L
 
 
 @triton.jit
-def _rank_sort_kernel(selected, selected_keys, out, k, PART: tl.constexpr, BLOCK: tl.constexpr):
+def _rank_sort_kernel(selected, selected_keys, out, k, PART: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program (row, p): each of part p's PART entries of the row's k in ``selected`` goes to its rank in ``out``,
     the number of the row's entries with a larger key or an equal key at an earlier slot (a permutation of the
     slots), counted against all k. Keys as the select wrote them beside the entries (-1 entries: -inf's key or 0,
     below every value's). One launch of contiguous loads, no merge's dependent searches, but k * k compares per row:
     for few rows (``RANK_SORT_MAX_ROWS``)."""
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     slots = tl.program_id(1) * PART + tl.arange(0, PART)
     mine = _rank_keys(selected_keys + row * k, slots, k)
@@ -536,7 +540,9 @@ def _rank_keys(keys, slots, k):
 def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, stride_row, k, n_segments,
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
-                         ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr, VECTORS: tl.constexpr):
+                         ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr, VECTORS: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * stride_row
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
@@ -640,11 +646,13 @@ def _take_all(src, col, length, dst, dst_keys, shift_cols, NEG1: tl.constexpr, W
 
 @triton.jit
 def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, k,
-                            HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr, BINS: tl.constexpr):
+                            HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr, BINS: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
     ``hist[row, s]`` (segments past the row's length, as in an engine's max_model_len-wide rows, have no columns,
     and a row of at most k columns takes them all: nothing is counted or read for them); program (row, 0) zeroes the
     row's arrival count for the compaction launch."""
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
@@ -672,13 +680,15 @@ def _row_boundary(hist_row, used, take, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.c
 def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out, out_keys, n_cols,
                           stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
-                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from the counts of the segments
     holding its columns; segment s's columns above b go straight to the output (after those of the segments before
     it), its columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last
     program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top k among the
     candidates, then pads. A row of at most k columns takes them all (``_take_all``). With WRITE_KEYS every output
     entry's key goes to ``out_keys`` (for the rank sort)."""
+    wait_for_previous_grid(PDL)
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     segment = tl.program_id(1)
@@ -743,11 +753,12 @@ def _row_start(row, logits, lengths, offset, out, n_cols, stride_row, k, HAS_LEN
 @triton.jit
 def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
                       HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr = False):
     """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
     its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
     among those (a row of at most k columns: all of them, ``_take_all``), the padding. Programs take the rows last
     first: a causal prefill's longest rows start first, its shortest fill the last wave."""
+    wait_for_previous_grid(PDL)
     row, src, length, take, dst, shift_cols = _row_start(tl.num_programs(0) - 1 - tl.program_id(0), logits, lengths,
                                                          offset, out, n_cols, stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     row_cols = cand_cols + row * capacity

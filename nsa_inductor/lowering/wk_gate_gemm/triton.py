@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import launch
+from .._triton_common import launch, wait_for_previous_grid
 from ..head_gate_gemm.reference import head_gate_chunk
 from ..head_gate_gemm.triton import split_k_tile, weight_mode
 
@@ -49,9 +49,11 @@ def config_for(rows: int) -> WkGateConfig:
 def _wk_gate_gemm_kernel(x_ptr, gate_w_ptr, k_w_ptr, gate_out_ptr, k_out_ptr, m, gate_n, k_n, k, gate_chunk,
                          k_chunk, gate_programs, stride_xm, stride_xk, stride_gn, stride_gk, stride_kn, stride_kk,
                          GATE_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         GATE_BLOCK_N: tl.constexpr, K_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         GATE_BLOCK_N: tl.constexpr, K_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Grid (row tiles, gate programs + k programs). Work item ``w`` of a product is column tile ``w % tiles`` of
     chunk ``w // tiles``: neighbouring programs read the same slice of x (from L2 after the first)."""
+    wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0)
     work = tl.program_id(1)
     if work < gate_programs:
