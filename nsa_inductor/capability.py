@@ -47,6 +47,7 @@ DEFAULT_PAGE_SIZE = 64
 MAX_PAGE_SIZE = 1 << 16  # a page is P * 132 bytes; kernels index slots as page * P + i in 32 bits
 PRESHUFFLE_MIN_TRITON = (3, 5)  # aiter JIT-compiles its gluon paged-MQA kernels from Triton 3.5
 AOT_MAX_TRITON = (3, 4)  # aiter's ahead-of-time gluon bundle asserts Triton < 3.4 (an ABI change in 3.4)
+PDL_MIN_TRITON = (3, 4)  # Triton's `launch_pdl` and `gdc_wait` (triton-lang/triton#6394)
 GLUON_ARCHS = ("gfx942", "gfx950", "gfx1250")  # aiter's _GLUON_PA_MQA_LOGITS_ARCHS
 AITER_CHUNK_K = 256  # deepgemm_fp8_paged_mqa_logits' ChunkK: it asserts ChunkK % P == 0 or P % ChunkK == 0
 AITER_DIST = "amd-aiter"  # aiter's distribution name (setup.py PACKAGE_NAME)
@@ -157,8 +158,10 @@ class Capability:
     @property
     def programmatic_launch(self) -> bool:
         """Whether the Triton kernels are launched as programmatic dependent launches (``_triton_common.launch``,
-        ``wait_for_previous_grid``): NVIDIA from Hopper (sm_90) on, unless NSA_INDUCTOR_DISABLE_PDL is set."""
-        return self.platform == "cuda" and self.cuda_arch >= 90 and not self.pdl_disabled
+        ``wait_for_previous_grid``): NVIDIA from Hopper (sm_90) on with Triton >= 3.4, unless NSA_INDUCTOR_DISABLE_PDL
+        is set."""
+        return (self.platform == "cuda" and self.cuda_arch >= 90 and not self.pdl_disabled
+                and _version_tuple(self.triton_version) >= PDL_MIN_TRITON)
 
     @property
     def kernel_backend(self) -> str:

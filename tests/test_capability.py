@@ -171,6 +171,7 @@ DESCRIBE_TABLE = [
     (H200, {}, ["platform=cuda (NVIDIA H200)", "kernels=triton", "pdl=on", "layout=paged(page_size=64)"], ["ops:"]),
     (dataclasses.replace(H200, pdl_disabled=True), {}, ["pdl=off (NSA_INDUCTOR_DISABLE_PDL)"], ["pdl=on"]),
     (dataclasses.replace(H200, device_name="NVIDIA A100", cuda_arch=80), {}, ["kernels=triton"], ["pdl"]),
+    (dataclasses.replace(H200, triton_version="3.3.1"), {}, ["triton=3.3.1", "kernels=triton"], ["pdl"]),
     (rocm("3.6.0", aiter="0.1.20"), {},
      ["gfx942", "aiter=0.1.20", "layout=preshuffle(page_size=64)", "quant_cache_store=aiter",
       "gather_k=triton [cp_gather_indexer_k_quant_cache needs num_tokens == cu_seqlens[-1]",
