@@ -517,12 +517,10 @@ def describe(decision: LayoutDecision | None = None, cap: Capability | None = No
     else:
         aiter = "no"
     checks = f" checks=on ({ENV_CHECKS})" if cap.index_checks else ""
-    if cap.programmatic_launch:
-        checks += " pdl=on"
-    elif cap.pdl_disabled and cap.platform == "cuda":
-        checks += f" pdl=off ({ENV_DISABLE_PDL})"
+    pdl = " pdl=on" if cap.programmatic_launch else (
+        f" pdl=off ({ENV_DISABLE_PDL})" if cap.pdl_disabled and cap.platform == "cuda" else "")
     return (
         f"nsa_inductor: platform={cap.platform} ({cap.device_name}{arch}) kernels={cap.kernel_backend} "
         f"triton={cap.triton_version or 'none'} aiter={aiter} "
-        f"fp8={fp8} layout={decision}{checks}{aiter_routes(cap, decision.layout)}"
+        f"fp8={fp8} layout={decision}{checks}{pdl}{aiter_routes(cap, decision.layout)}"
     )
