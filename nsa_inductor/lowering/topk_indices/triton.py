@@ -56,6 +56,7 @@ RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMAR
 SORT_CHUNK = 512
 MERGE_PART = 64
 MERGE_MANY_ROWS = 512
+MERGE_FEW_ROWS = 16  # up to this many rows the merge's programs take 8 warps (BENCHMARKS.md, top-k: 4 from 32 rows)
 # The rank sort (`_rank_sort_kernel`: sorted order of up to RANK_SORT_MAX_ROWS rows on the split radix path, which
 # writes the keys it needs): entries per program, entries compared per step, warps (BENCHMARKS.md, top-k).
 RANK_SORT_MAX_ROWS = 4
@@ -971,4 +972,5 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     part = min(chunk, MERGE_PART if rows < MERGE_MANY_ROWS else 2 * MERGE_PART)
     launch(_merge_chunks_kernel, (rows, n_chunks, chunk // part), sorted_chunks, lengths, out, n_cols, k, n_chunks,
            HAS_LENGTHS=flags["HAS_LENGTHS"], PAD_COLUMNS=flags["PAD_COLUMNS"], CHUNK=chunk, PART=part,
-           CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(), num_warps=4)
+           CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(),
+           num_warps=8 if rows <= MERGE_FEW_ROWS else 4)
