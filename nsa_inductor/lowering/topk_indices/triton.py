@@ -56,7 +56,7 @@ RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMAR
 SORT_CHUNK = 512
 MERGE_PART = 64
 MERGE_MANY_ROWS = 512
-MERGE_FEW_ROWS = 16  # up to this many rows the merge's programs take 8 warps (BENCHMARKS.md, top-k: 4 from 32 rows)
+MERGE_FEW_ROWS = 16  # rows up to which the merge's programs take 8 warps, not 4 (BENCHMARKS.md, top-k)
 # The rank sort (`_rank_sort_kernel`: sorted order of up to RANK_SORT_MAX_ROWS rows on the split radix path, which
 # writes the keys it needs): entries per program, entries compared per step, warps (BENCHMARKS.md, top-k).
 RANK_SORT_MAX_ROWS = 4
