@@ -56,7 +56,10 @@ RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMAR
 SORT_CHUNK = 512
 MERGE_PART = 64
 MERGE_MANY_ROWS = 512
-MERGE_FEW_ROWS = 16  # rows up to which the merge's programs take 8 warps, not 4 (BENCHMARKS.md, top-k)
+# The merge's warps by rows (BENCHMARKS.md, top-k): 8 up to MERGE_FEW_ROWS (few programs, each searching with more
+# threads), 2 up to MERGE_SOME_ROWS (more programs resident a multiprocessor), 4 beyond (a causal prefill: 2 is slower)
+MERGE_FEW_ROWS = 16
+MERGE_SOME_ROWS = 128
 # The rank sort (`_rank_sort_kernel`: sorted order of up to RANK_SORT_MAX_ROWS rows on the split radix path, which
 # writes the keys it needs): entries per program, entries compared per step, warps (BENCHMARKS.md, top-k).
 RANK_SORT_MAX_ROWS = 4
@@ -973,4 +976,4 @@ def _sort_by_chunks(logits, k, lengths, offset, out, flags, chunk):
     launch(_merge_chunks_kernel, (rows, n_chunks, chunk // part), sorted_chunks, lengths, out, n_cols, k, n_chunks,
            HAS_LENGTHS=flags["HAS_LENGTHS"], PAD_COLUMNS=flags["PAD_COLUMNS"], CHUNK=chunk, PART=part,
            CHUNKS_POW2=next_power_of_2(n_chunks), SEARCH_STEPS=chunk.bit_length(),
-           num_warps=8 if rows <= MERGE_FEW_ROWS else 4)
+           num_warps=8 if rows <= MERGE_FEW_ROWS else 2 if rows <= MERGE_SOME_ROWS else 4)
