@@ -458,25 +458,30 @@ def test_topk_search_first_guess_is_the_normal_quantile():
 @child_only
 @HYP
 @given(used=st.integers(1, 40), bins=st.sampled_from([128, 256]), edge=st.sampled_from([None, 0, 15, 16, 17, -16, -1]),
-       seed=st.integers(0, 999))
-def test_topk_row_boundary_from_the_segments_counts(used, bins, edge, seed):
-    """The split path's boundary bin from its segments' counts of columns at or above each bin (``_row_boundary``):
-    the bin, the columns above it and in it, as numpy finds them in the summed counts. Boundaries at the first and
-    last bins and at edges of 16-bin groups, rows of more segments than one block of them, sparse counts (runs of
-    empty bins)."""
+       before=st.integers(0, 40), seed=st.integers(0, 999))
+def test_topk_row_boundary_from_the_segments_counts(used, bins, edge, before, seed):
+    """The split path's boundary bin from its segments' counts of columns at or above each bin (``_row_counts``,
+    ``_boundary_bin``): the bin, the columns above it and in it, and those of the segments before a compaction
+    program's own (``_around_bin``), as numpy finds them in the summed counts. Boundaries at the first and last bins
+    and at edges of 16-bin groups, rows of more segments than one block of them, sparse counts (runs of empty bins)."""
     import numpy as np
     import triton
     import triton.language as tl
 
     tk = _kernels("topk_indices")
+    before = min(before, used - 1)
 
     @triton.jit
-    def boundary(hist, used, take, out, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr,
-                 ROW_BOUNDARY: tl.constexpr):
-        b, above, in_bin = ROW_BOUNDARY(hist, used, take, SEGMENTS_BLOCK, BINS)
+    def boundary(hist, used, before, take, out, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr,
+                 ROW_COUNTS: tl.constexpr, BOUNDARY_BIN: tl.constexpr, AROUND_BIN: tl.constexpr):
+        total, earlier = ROW_COUNTS(hist, used, before, SEGMENTS_BLOCK, BINS)
+        b, above, in_bin = BOUNDARY_BIN(total, take, BINS)
+        above_before, in_bin_before = AROUND_BIN(earlier, b, BINS)
         tl.store(out, b)
         tl.store(out + 1, above)
         tl.store(out + 2, in_bin)
+        tl.store(out + 3, above_before)
+        tl.store(out + 4, in_bin_before)
 
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 4, (used, bins)) * (rng.random((used, bins)) < 0.3)
@@ -490,10 +495,12 @@ def test_topk_row_boundary_from_the_segments_counts(used, bins, edge, seed):
         else int(rng.integers(1, row[0] + 1))
     b = int(np.nonzero(row >= take)[0].max())
     above = int(row[b + 1]) if b + 1 < bins else 0
-    out = torch.empty(3, dtype=torch.int32)
-    boundary[(1,)](torch.from_numpy(np.ascontiguousarray(at_least)).int(), used, take, out, SEGMENTS_BLOCK=16,
-                   BINS=bins, ROW_BOUNDARY=tk._row_boundary)
-    assert out.tolist() == [b, above, int(row[b]) - above]
+    prefix = at_least[:before].sum(0)
+    above_before = int(prefix[b + 1]) if b + 1 < bins else 0
+    out = torch.empty(5, dtype=torch.int32)
+    boundary[(1,)](torch.from_numpy(np.ascontiguousarray(at_least)).int(), used, before, take, out, SEGMENTS_BLOCK=16,
+                   BINS=bins, ROW_COUNTS=tk._row_counts, BOUNDARY_BIN=tk._boundary_bin, AROUND_BIN=tk._around_bin)
+    assert out.tolist() == [b, above, int(row[b]) - above, above_before, int(prefix[b]) - above_before]
 
 
 @child_only

@@ -603,10 +603,17 @@ def _at_least(counts):
 def _boundary_bin(at_least, take, BINS: tl.constexpr):
     """From the count of a row's columns in each radix bin or above: its boundary bin b (the bin of its take-th
     largest value; >= 1 where take >= 1, bin 0 holding no value), the columns above b, and those in b."""
-    bins = tl.arange(0, BINS)
     b = tl.sum((at_least >= take).to(tl.int32), axis=0) - 1
+    above, in_bin = _around_bin(at_least, b, BINS)
+    return b, above, in_bin
+
+
+@triton.jit
+def _around_bin(at_least, b, BINS: tl.constexpr):
+    """From the count of columns in each radix bin or above: those above bin b (none above the last), those in b."""
+    bins = tl.arange(0, BINS)
     above = tl.sum(tl.where(bins == b + 1, at_least, 0), axis=0)
-    return b, above, tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above
+    return above, tl.sum(tl.where(bins == b, at_least, 0), axis=0) - above
 
 
 @triton.jit
@@ -669,15 +676,18 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row,
 
 
 @triton.jit
-def _row_boundary(hist_row, used, take, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """``_boundary_bin`` of a row from the counts of its first ``used`` segments (those holding its columns)."""
+def _row_counts(hist_row, used, before, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Per radix bin, how many of a row's columns are in it or above: in its first ``used`` segments (those holding
+    its columns), and in its segments before segment ``before`` (one pass over the counts)."""
     bins = tl.arange(0, BINS)
-    at_least = tl.zeros((BINS,), tl.int32)
+    total = tl.zeros((BINS,), tl.int32)
+    earlier = tl.zeros((BINS,), tl.int32)
     for s0 in range(0, used, SEGMENTS_BLOCK):
         s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-        at_least += tl.sum(tl.load(hist_row + s[:, None] * BINS + bins[None, :], mask=s[:, None] < used,
-                                   other=0), axis=0)
-    return _boundary_bin(at_least, take, BINS)
+        counts = tl.load(hist_row + s[:, None] * BINS + bins[None, :], mask=s[:, None] < used, other=0)
+        total += tl.sum(counts, axis=0)
+        earlier += tl.sum(tl.where(s[:, None] < before, counts, 0), axis=0)
+    return total, earlier
 
 
 @triton.jit
@@ -701,27 +711,24 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     dst_keys = out_keys + row * k
     hist_row = hist + row * n_segments * BINS
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
+    above_total = tl.zeros((), tl.int32)
+    in_bin_total = tl.zeros((), tl.int32)
     if (segment < used) & (length <= k):  # the row's columns are its top k, each to its own slot
         _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
                   WRITE_KEYS)
     elif segment < used:
-        b, _, _ = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK, BINS)
-        above_before = tl.zeros((), tl.int32)
-        in_bin_before = tl.zeros((), tl.int32)
-        segments_above = tl.where(b + 1 < BINS, segment, 0)  # (no bin above the last)
-        for s0 in range(0, segment, SEGMENTS_BLOCK):
-            s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-            at_b = tl.load(hist_row + s * BINS + b, mask=s < segment, other=0)
-            above_b = tl.load(hist_row + s * BINS + b + 1, mask=s < segments_above, other=0)
-            above_before += tl.sum(above_b, axis=0)
-            in_bin_before += tl.sum(at_b - above_b, axis=0)
+        total, earlier = _row_counts(hist_row, used, segment, SEGMENTS_BLOCK, BINS)
+        b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
+        above_before, in_bin_before = _around_bin(earlier, b, BINS)
         _compact(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, dst, dst_keys, above_before, row_cols,
                  row_keys, in_bin_before, capacity, shift_cols, WRITE_KEYS, BINS)
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
     tl.debug_barrier()
     if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
         if length > k:
-            _, above_total, in_bin_total = _row_boundary(hist_row, used, take, SEGMENTS_BLOCK, BINS)
+            if segment >= used:  # (a program past the row's columns counted nothing above)
+                total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
+                _, above_total, in_bin_total = _boundary_bin(total, take, BINS)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
                                shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
         _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
