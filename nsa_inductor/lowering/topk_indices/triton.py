@@ -144,20 +144,27 @@ def _count_at_least(src, cand_keys, u0, pos, n_pos, bound, GATHER: tl.constexpr,
 
 
 @triton.jit
+def _block_range(u):
+    """(keys above -inf, the lowest key, the highest) of one block; keys 0 (no column) are neither counted nor the
+    lowest. One CTA-wide reduction."""
+    u = _flat(u)
+    return tl.reduce(((u > KEY_NEG_INF).to(tl.int32), tl.where(u > 0, u, tl.full(u.shape, 0xFFFFFFFF, tl.uint32)), u),
+                     0, _add_min_max)
+
+
+@triton.jit
 def _key_range(src, cand_keys, u0, pos, n_pos, GATHER: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """(lowest, highest) key among the positions that have one (keys > 0)."""
-    none = tl.full((BLOCK,), 0xFFFFFFFF, tl.uint32)
+    """``_block_range`` of the keys at positions [0, n_pos)."""
     if ONE_BLOCK:
-        lowest = tl.min(tl.where(u0 > 0, u0, none), axis=0)
-        highest = tl.max(u0, axis=0)
+        count, lowest, highest = _block_range(u0)
     else:
+        count = tl.zeros((), tl.int32)
         lowest = tl.full((), 0xFFFFFFFF, tl.uint32)
         highest = tl.zeros((), tl.uint32)
         for start in range(0, n_pos, BLOCK):
-            u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
-            lowest = tl.minimum(lowest, tl.min(tl.where(u > 0, u, none), axis=0))
-            highest = tl.maximum(highest, tl.max(u, axis=0))
-    return lowest, highest
+            block = _block_range(_position_keys(src, cand_keys, start + pos, n_pos, GATHER))
+            count, lowest, highest = _add_min_max(count, lowest, highest, *block)
+    return count, lowest, highest
 
 
 @triton.jit
@@ -279,6 +286,8 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     else:
         pos = tl.arange(0, BLOCK)
         u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
+    if ONE_BLOCK and GATHER:
+        cols0 = _columns(cand_cols, pos, n_pos, GATHER)  # loaded with the keys, not after the search
 
     # A search for the take-th largest key over a bracket [lo, hi): count(key >= lo) = at_bound >= take and
     # count(key >= hi) = above_bound < take. It is over when at_bound == take (the keys >= lo are the ones wanted) or
@@ -289,7 +298,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     if COUNT_VALID:
         n_valid = _count_at_least(src, cand_keys, u0, pos, n_pos, 1, GATHER, BLOCK, ONE_BLOCK)
     if ONE_BIN:
-        n_finite = _count_at_least(src, cand_keys, u0, pos, n_pos, KEY_NEG_INF + 1, GATHER, BLOCK, ONE_BLOCK)
+        n_finite, lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
     else:
         n_finite, total, squares = _key_moments(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
     searching = (take > 0) & (n_finite >= take)
@@ -298,7 +307,6 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     if ONE_BIN:
         # One radix bin's keys, close together: from their range, each trial where the counts at the bracket's two
         # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties).
-        lowest, highest = _key_range(src, cand_keys, u0, pos, n_pos, GATHER, BLOCK, ONE_BLOCK)
         lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
         width = (highest - lo).to(tl.int32) + 1  # (below 2^31: the widest bin, 3, spans ~2^30 keys)
         at_bound = tl.where(searching, n_finite, n_valid)
@@ -385,7 +393,10 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     above_seen = tl.zeros((), dtype=tl.int32)
     ties_seen = tl.zeros((), dtype=tl.int32)
     for start in range(0, n_pos, BLOCK):
-        col = _columns(cand_cols, start + pos, n_pos, GATHER)
+        if ONE_BLOCK and GATHER:
+            col = cols0
+        else:
+            col = _columns(cand_cols, start + pos, n_pos, GATHER)
         if ONE_BLOCK:
             u = u0
         else:
@@ -587,9 +598,15 @@ def _radix_digit(x, BINS: tl.constexpr):
 
 
 @triton.jit
+def _row_values(src, col, length):
+    """The row's values at columns ``col``, those below ``length`` (0 past it)."""
+    return tl.load(src + col, mask=col < length, other=0.0)
+
+
+@triton.jit
 def _digit_counts(src, col, length, BINS: tl.constexpr):
     """How many of the row's columns ``col`` (those below ``length``) fall in each radix bin."""
-    x = tl.load(src + col, mask=col < length, other=0.0)
+    x = _row_values(src, col, length)
     return tl.histogram(tl.where(col < length, _radix_digit(x, BINS), 0), BINS)
 
 
@@ -617,13 +634,13 @@ def _around_bin(at_least, b, BINS: tl.constexpr):
 
 
 @triton.jit
-def _compact(src, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
+def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
              WRITE_KEYS: tl.constexpr, BINS: tl.constexpr):
-    """Of the row's columns ``col``: those above boundary bin b to ``dst`` after ``above_before`` entries (as column
-    minus ``shift_cols``; with WRITE_KEYS their keys to ``dst_keys``), those in b to the candidates after
-    ``cand_before`` (columns and keys, up to ``capacity``); returns how many of each there were."""
+    """Of the row's columns ``col`` (their values ``x``, as ``_row_values`` loads them): those above boundary bin b
+    to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their keys to
+    ``dst_keys``), those in b to the candidates after ``cand_before`` (columns and keys, up to ``capacity``); returns
+    how many of each there were."""
     valid = col < length
-    x = tl.load(src + col, mask=valid, other=0.0)
     digit = tl.where(valid, _radix_digit(x, BINS), 0)
     is_above = digit > b
     is_cand = digit == b
@@ -646,7 +663,7 @@ def _take_all(src, col, length, dst, dst_keys, shift_cols, NEG1: tl.constexpr, W
     ``length``) to their own slots, as column minus ``shift_cols`` (-1 for -inf with NEG1; with WRITE_KEYS their
     keys beside them)."""
     valid = col < length
-    x = tl.load(src + col, mask=valid, other=0.0)
+    x = _row_values(src, col, length)
     index = col - shift_cols.to(tl.int32)
     if NEG1:
         index = tl.where(x == float("-inf"), -1, index)
@@ -717,11 +734,13 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
         _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
                   WRITE_KEYS)
     elif segment < used:
+        col = segment * SEGMENT + tl.arange(0, SEGMENT)
+        x = _row_values(src, col, length)  # (before the counts: the two loads overlap)
         total, earlier = _row_counts(hist_row, used, segment, SEGMENTS_BLOCK, BINS)
         b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
         above_before, in_bin_before = _around_bin(earlier, b, BINS)
-        _compact(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, b, dst, dst_keys, above_before, row_cols,
-                 row_keys, in_bin_before, capacity, shift_cols, WRITE_KEYS, BINS)
+        _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
+                 shift_cols, WRITE_KEYS, BINS)
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
     tl.debug_barrier()
     if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
@@ -786,8 +805,8 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
         for start in range(0, length, CHUNK):
-            n_above, n_in_bin = _compact(src, start + pos, length, b, dst, dst, above_seen, row_cols, row_keys,
-                                         cand_seen, capacity, shift_cols, False, BINS)
+            n_above, n_in_bin = _compact(_row_values(src, start + pos, length), start + pos, length, b, dst, dst,
+                                         above_seen, row_cols, row_keys, cand_seen, capacity, shift_cols, False, BINS)
             above_seen += n_above
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
