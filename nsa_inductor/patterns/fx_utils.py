@@ -101,6 +101,16 @@ def live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [u for u in node.users if u.users or u.op == "output" or u.is_impure()]
 
 
+def set_arg(node: torch.fx.Node, name: str, value: Any) -> None:
+    """Argument ``name`` of the op call ``node`` set to ``value`` where it is: positional (an earlier pass may have
+    spelled every argument out) or keyword."""
+    index = [a.name for a in node.target._schema.arguments].index(name)
+    if index < len(node.args):
+        node.args = (*node.args[:index], value, *node.args[index + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
 def tensor_val(node: Any) -> torch.Tensor | None:
     """``val(node)`` when it is a tensor, else ``None``."""
     v = val(node)

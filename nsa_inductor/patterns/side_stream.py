@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import VIEW_OPS, aten, describe, is_op, is_store, live_users, tensor_val, view_chain
+from .fx_utils import VIEW_OPS, aten, describe, is_op, is_store, live_users, set_arg, tensor_val, view_chain
 
 _VIEWS = (*VIEW_OPS, aten.select.int, aten.slice.Tensor, aten.permute.default, aten.expand.default,
           aten.as_strided.default)
@@ -77,16 +77,6 @@ def _graph_input(node: torch.fx.Node) -> bool:
     return view_chain(node, _VIEWS)[0].op in ("placeholder", "get_attr")
 
 
-def _set_arg(node: torch.fx.Node, name: str, value) -> None:
-    """Argument ``name`` of the op call ``node`` set to ``value`` where it is: positional (an earlier pass may have
-    spelled every argument out) or keyword."""
-    index = [a.name for a in node.target._schema.arguments].index(name)
-    if index < len(node.args):
-        node.args = (*node.args[:index], value, *node.args[index + 1:])
-    else:
-        node.kwargs = {**node.kwargs, name: value}
-
-
 class SideStream(GraphPass):
     name = "side_stream"
 
@@ -128,7 +118,7 @@ class SideStream(GraphPass):
         # The store follows the GEMM on the side stream without a second fork where everything else it reads is a
         # graph input (ready at the GEMM's fork): on the GPU Inductor queues it after the q side.
         store_stream = "side" if all(_graph_input(a) for a in inputs if a in store.all_input_nodes) else "fork"
-        _set_arg(gemm, "stream", "fork")
+        set_arg(gemm, "stream", "fork")
         store.kwargs = {**store.kwargs, "stream": store_stream}  # (a functionalized call: every argument a keyword)
-        _set_arg(logits, "join_side_stream", True)
+        set_arg(logits, "join_side_stream", True)
         return gemm

@@ -4,8 +4,10 @@ Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked i
 ``== -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
 indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
-mask bounds each row's scan (``lengths``). Order as torch: ``sorted=True`` (the default) gives descending values;
-``sorted=False``, or ``nsa.topk_order="set"``, the faster set order.
+mask bounds each row's scan (``lengths``), and where the top-k is the paged logits' only reader, the logits op leaves
+the masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
+``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
+order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
 ``== -inf`` test, a fill other than -1, an offset that is not one value per row.
 """
@@ -19,7 +21,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import VIEW_OPS, arg, as_int, erase_dead, insert_call, is_op, norm_dim, tensor_val
+from .fx_utils import VIEW_OPS, arg, as_int, erase_dead, insert_call, is_op, norm_dim, set_arg, tensor_val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -157,11 +159,14 @@ class TopkIndices(GraphPass):
     def rewrite(self, graph: torch.fx.Graph, topk: torch.fx.Node, ctx: PassContext | None) -> None:
         found = match_topk(topk)
         replaced = found["replace"]
+        logits = found["logits"]
         with graph.inserting_before(replaced):
-            lengths = _lengths(graph, found["logits"])
+            lengths = _lengths(graph, logits)
+            if is_op(logits, torch.ops.nsa.paged_mqa_logits.default) and len(logits.users) == 1:
+                set_arg(logits, "write_masked", False)  # the top-k reads each row up to its length only
             sorted_ = bool(found["sorted"]) and self.order == "sorted"
             new = insert_call(graph, torch.ops.nsa.topk_indices.default,
-                              (found["logits"], found["k"], lengths, found["offset"], found["pad"], sorted_))
+                              (logits, found["k"], lengths, found["offset"], found["pad"], sorted_))
             if found["int64"]:
                 new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
         replaced.replace_all_uses_with(new)

@@ -188,6 +188,25 @@ def test_aiter_release_family(monkeypatch, family):
     assert ("top_k_per_row_decode" in {name for name, _ in calls}) == bool(served.get("topk_indices"))
 
 
+def test_aiter_paged_logits_leave_the_masked_columns(monkeypatch):
+    """``write_masked=False`` through aiter: the columns each row sees are the reference's, and the -inf fill after
+    aiter's call (a pass over the whole output) is not made: past the chunks aiter visits (256 columns), what the
+    output held stays (the stand-in's NaN)."""
+    _, routes = _simulate(monkeypatch, FAMILIES["0.1.20"])
+    gen = torch.Generator().manual_seed(7)
+    lengths = [70, 5]
+    cache, block_table = random_paged_cache(lengths, 1, FNUZ, gen)
+    q, weights = random_fp8((2, 2, 16, 128), FNUZ, gen), torch.randn(4, 16, generator=gen)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    want = paged_ref(q, cache, weights, ctx, block_table, 300, 1, False)
+    got = torch.ops.nsa.paged_mqa_logits(q, cache, weights, ctx, block_table, 300, 1, False, write_masked=False)
+    assert routes == [("paged_mqa_logits", "aiter")]
+    for row in range(4):
+        seen = lengths[row // 2] - 2 + row % 2 + 1
+        torch.testing.assert_close(got[row, :seen], want[row, :seen], rtol=1e-4, atol=1e-4)
+        assert got[row, 256:].isnan().all()
+
+
 @pytest.mark.parametrize("family", ["0.1.9", "0.1.14", "0.1.20"])
 def test_signature_inspection_agrees_with_the_version_table(monkeypatch, family):
     """The capability read from the installed (stand-in) aiter's signatures routes exactly as its version says."""

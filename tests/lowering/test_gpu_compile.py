@@ -54,7 +54,9 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
         q = torch.zeros(batch, 1, 64, 128, dtype=fp8)
         table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
-        calls.append(("paged_mqa_logits", (q, cache, torch.zeros(batch, 64), lens, table, ctx, page, preshuffle), {}))
+        for write_masked in (True, False):  # (False: as the decode step calls it, where the top-k is the only reader)
+            calls.append(("paged_mqa_logits", (q, cache, torch.zeros(batch, 64), lens, table, ctx, page, preshuffle),
+                          {"write_masked": write_masked}))
         k = torch.zeros(batch, 128, dtype=torch.bfloat16)
         slots = torch.arange(batch)
         calls.append(("quant_cache_store", (k, cache, slots, page, preshuffle, "ue8m0", fp8), {}))

@@ -312,6 +312,31 @@ def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
 
 
 @child_only
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_paged_mqa_logits_leaves_the_masked_columns_unwritten(next_n):
+    """``write_masked=False``: the columns each row may see are the reference's, and nothing is written from the
+    first block of BLOCK_N columns past a sequence's context (the NaN the buffer held stays), whole chunks past it
+    included."""
+    tk = _kernels("paged_mqa_logits")
+    gen = torch.Generator().manual_seed(5)
+    ctx = [0, 1, 37, 50, 96]
+    max_len, block_n = 120, 16
+    cache, block_table = random_paged_cache(ctx, 16, FN, gen)
+    q = random_fp8((len(ctx), next_n, 16, 128), FN, gen)
+    weights = torch.randn(len(ctx) * next_n, 16, generator=gen)
+    args = (q, cache, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, 16, False)
+    out = torch.full((len(ctx) * next_n, max_len), float("nan"))
+    got = tk.paged_mqa_logits(*args, write_masked=False, out=out,
+                              config=tk.PagedConfig(chunk=32, block_n=block_n))
+    want = paged_logits64(*args)
+    for row in range(len(ctx) * next_n):
+        c = ctx[row // next_n]
+        visible = c - next_n + row % next_n + 1
+        assert_logits_close(got[row:row + 1, :max(visible, 0)], want[row:row + 1, :max(visible, 0)], rtol=1e-5)
+        assert got[row, -(-c // block_n) * block_n:].isnan().all()
+
+
+@child_only
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16)])
 def test_mqa_logits_matches_float64(block_m, block_n):
     tk = _kernels("mqa_logits")

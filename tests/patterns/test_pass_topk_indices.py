@@ -194,3 +194,34 @@ def test_one_compile_serves_every_row_count():
         assert as_rows(compiled(logits)) == as_rows(indexer_topk(logits, 5))
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
+
+
+def paged_topk(q8, cache, w, ctx, bt, *, also_logits):
+    logits = torch.ops.nsa.paged_mqa_logits(q8, cache, w, ctx, bt, 48, 16, False)
+    idx = indexer_topk(logits, 8)
+    return (idx, logits) if also_logits else idx
+
+
+@pytest.mark.parametrize("also_logits", [False, True])
+def test_paged_logits_leave_the_masked_columns_to_an_only_top_k(also_logits):
+    """The top-k reads each row up to its length: where it is the paged logits' only reader, the logits op is told
+    to leave the masked columns past each row's context unwritten (``write_masked=False``); where the logits are
+    also returned, it writes every element as before. Results as before either way (the CPU reference writes all)."""
+    from nsa_inductor.indexer import IndexerConfig
+    from nsa_inductor.layout import KCacheLayout
+    from nsa_inductor.workload import decode_batch
+
+    config = IndexerConfig.deepseek_v32().small()
+    batch = decode_batch(config, KCacheLayout(16), [5, 33, 0, 17], next_n=1, max_len=48, seed=1)
+    gen = torch.Generator().manual_seed(4)
+    q8 = torch.randn(4, 1, config.n_heads, 128, generator=gen).to(config.fp8_dtype)
+    args = (q8, batch.kv_cache, torch.randn(4, config.n_heads, generator=gen), batch.lens, batch.block_table)
+    gm = pass_helpers.functional_graph(lambda *a: paged_topk(*a, also_logits=also_logits), *args)
+    before = gm(*args)
+    result = TopkIndices()(gm.graph, None)
+    gm.recompile()
+    assert result.matched == 1, result.near_misses
+    (logits,) = [n for n in gm.graph.nodes if n.target is torch.ops.nsa.paged_mqa_logits.default]
+    assert logits.kwargs.get("write_masked", True) is also_logits
+    for a, b in zip(before if also_logits else (before,), gm(*args) if also_logits else (gm(*args),)):
+        assert torch.equal(a, b)

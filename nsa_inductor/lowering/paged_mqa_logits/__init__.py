@@ -1,7 +1,8 @@
 """``nsa.paged_mqa_logits``: the indexer's decode logits, read straight from the paged fp8 K cache.
 
 ``logit[b*next_n+j, s] = sum_h w[., h] * relu(q8[b,j,h] . k8[s] * k_scale[s])`` for the keys a row may see
-(``s <= ctx_b - next_n + j``), -inf elsewhere. Every element is written, so a caller may allocate with ``empty``.
+(``s <= ctx_b - next_n + j``), -inf elsewhere. Every element is written, so a caller may allocate with ``empty``;
+with ``write_masked=False`` only the columns each row may see are (for a reader that stops there).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def paged_mqa_logits(
     weights_factor: torch.Tensor | None = None,
     weight_scale: float = 1.0,
     join_side_stream: bool = False,
+    write_masked: bool = True,
 ) -> torch.Tensor:
     """Decode logits ``[B*next_n, max_len]`` fp32 from the paged K cache; every element written (-inf masked).
 
@@ -62,7 +64,10 @@ def paged_mqa_logits(
     ``weights`` may be split-K partials ``[S, B*next_n, H]`` (summed first, left to right): the kernel computes them
     itself, so the model's ``(p[0] + p[1] + ...) * q_scale * c`` needs no kernel of its own. ``join_side_stream``
     (CUDA, while a graph is captured): first, the current stream waits for the device's second stream
-    (lowering/_streams.py), where the weights and the cache may have been written."""
+    (lowering/_streams.py), where the weights and the cache may have been written. ``write_masked=False``: the
+    columns past a row's last visible key are not written (they hold what the buffer held): for a reader that stops
+    at each row's visible columns, as ``nsa.topk_indices`` with the rows' lengths does, where an engine's
+    ``max_model_len``-wide rows are mostly past the context."""
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     if join_side_stream:
         _streams.join_side_stream(q_fp8.device)
@@ -72,7 +77,7 @@ def paged_mqa_logits(
     q_fp8, weights, weights_factor, context_lens, block_table = contiguous(q_fp8, weights, weights_factor,
                                                                             context_lens, block_table)
     args = (q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor,
-            weight_scale)
+            weight_scale, write_masked)
     run = implementation("paged_mqa_logits", q_fp8.device, q_fp8.dtype, page_size=page_size, preshuffle=preshuffle,
                          heads=q_fp8.shape[2])
     return run(*args)
@@ -80,6 +85,6 @@ def paged_mqa_logits(
 
 @paged_mqa_logits.register_fake
 def _(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor=None,
-      weight_scale=1.0, join_side_stream=False):
+      weight_scale=1.0, join_side_stream=False, write_masked=True):
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], max_len), dtype=torch.float32)

@@ -24,9 +24,9 @@ def _paged_logits_fn():
 
 
 def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
-                     weights_factor=None, weight_scale=1.0):
-    """aiter writes only the chunks it visits; every column a row may not see is then set to -inf. aiter takes one
-    weights tensor: factors are multiplied first."""
+                     weights_factor=None, weight_scale=1.0, write_masked=True):
+    """aiter writes only the chunks it visits; every column a row may not see is then set to -inf (``write_masked``;
+    else left as aiter left it). aiter takes one weights tensor: factors are multiplied first."""
     weights = head_weights(weights, weights_factor, weight_scale)
     batch, next_n = q_fp8.shape[:2]
     out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
@@ -41,6 +41,8 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         Preshuffle=preshuffle,
         KVBlockSize=page_size,
     )
+    if not write_masked:
+        return out
     cols = torch.arange(max_len, device=out.device)
     limit = context_lens[:, None] - next_n + torch.arange(next_n, device=out.device)[None, :]
     hidden = cols[None, None, :] > limit[:, :, None]

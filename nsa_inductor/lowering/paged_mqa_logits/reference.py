@@ -10,8 +10,9 @@ from .._common import MAX_SCORE_ELEMENTS, head_weights, slots_of
 
 
 def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
-                     weights_factor=None, weight_scale=1.0) -> torch.Tensor:
-    """Decode logits ``[B*next_n, max_len]``: row ``b*next_n+j`` sees keys ``s <= ctx_b - next_n + j``, else -inf.
+                     weights_factor=None, weight_scale=1.0, write_masked=True) -> torch.Tensor:
+    """Decode logits ``[B*next_n, max_len]``: row ``b*next_n+j`` sees keys ``s <= ctx_b - next_n + j``, else -inf
+    (also without ``write_masked``: what the masked columns hold is then unspecified).
 
     Only the block table's reach (``max_pages * page_size`` columns) can hold keys (contexts fit their table, DESIGN
     §4); the columns past it are -inf without being computed, which keeps a ``max_model_len``-wide call cheap.

@@ -67,6 +67,7 @@ def _paged_mqa_logits_kernel(
     HEADS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WRITE_MASKED: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Program (b, c) writes columns [c*CHUNK, (c+1)*CHUNK) of the next_n rows of sequence b.
@@ -75,8 +76,8 @@ def _paged_mqa_logits_kernel(
     sum is a reduction along the dot's N side: mostly within a thread), then
     ``logit[s, j] = k_scale[s] * sum_h w[j,h] * relu(scores)``: a scale is positive, so it leaves the relu and the
     head sum (one multiply per key, not per head; the same bits as scaling first for power-of-two ue8m0 scales);
-    chunks wholly past the context only store -inf, and keys on an unreadable page (docs/indices.md) are -inf, never
-    loaded.
+    chunks wholly past the context only store -inf (nothing without WRITE_MASKED: they are never read), and keys on
+    an unreadable page (docs/indices.md) are -inf, never loaded.
     """
     wait_for_previous_grid(PDL)
     b = tl.program_id(0)
@@ -86,10 +87,12 @@ def _paged_mqa_logits_kernel(
     out_row = (b * next_n + jj).to(tl.int64) * max_len
     row_ok = jj < next_n
     if start >= ctx:
-        for n0 in range(start, start + CHUNK, BLOCK_N):
-            s = n0 + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + out_row[None, :] + s[:, None], tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
-                     mask=(s[:, None] < max_len) & row_ok[None, :])
+        if WRITE_MASKED:
+            for n0 in range(start, start + CHUNK, BLOCK_N):
+                s = n0 + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + out_row[None, :] + s[:, None],
+                         tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
+                         mask=(s[:, None] < max_len) & row_ok[None, :])
     else:
         m = tl.arange(0, NEXT_N * HEADS_PAD)
         j = m // HEADS_PAD
@@ -124,16 +127,20 @@ def _paged_mqa_logits_kernel(
             logits = logits * k_scale[:, None]
             logits = tl.where((s[:, None] <= limit[None, :]) & load_ok[:, None], logits, float("-inf"))
             tl.store(out_ptr + out_row[None, :] + s[:, None], logits, mask=(s[:, None] < max_len) & row_ok[None, :])
-        first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N
-        for n0 in range(first_hidden, start + CHUNK, BLOCK_N):
-            s = n0 + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + out_row[None, :] + s[:, None], tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
-                     mask=(s[:, None] < max_len) & row_ok[None, :])
+        if WRITE_MASKED:
+            first_hidden = start + tl.cdiv(visible_end - start, BLOCK_N) * BLOCK_N
+            for n0 in range(first_hidden, start + CHUNK, BLOCK_N):
+                s = n0 + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + out_row[None, :] + s[:, None],
+                         tl.full([BLOCK_N, NEXT_N], float("-inf"), tl.float32),
+                         mask=(s[:, None] < max_len) & row_ok[None, :])
 
 
 def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
-                     weights_factor=None, weight_scale=1.0, out=None, config: PagedConfig | None = None):
-    """Decode logits ``[B*next_n, max_len]`` fp32, every element written (-inf where masked)."""
+                     weights_factor=None, weight_scale=1.0, write_masked=True, out=None,
+                     config: PagedConfig | None = None):
+    """Decode logits ``[B*next_n, max_len]`` fp32, every element written (-inf where masked; with ``write_masked``
+    False, not the blocks of columns past a row's context)."""
     batch, next_n, heads, _ = q_fp8.shape
     cfg = config or _default_paged_config(batch, max_len)
     if out is None:
@@ -145,6 +152,6 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
            context_lens, block_table, out, next_n, heads, max_len, block_table.stride(0), block_table.shape[1],
            cache.shape[0], PAGE_SIZE=page_size, PRESHUFFLE=preshuffle, HAS_FACTOR=weights_factor is not None,
            W_SPLITS=weights.shape[0] if weights.dim() == 3 else 1, NEXT_N=next_power_of_2(next_n),
-           HEADS_PAD=max(16, next_power_of_2(heads)), CHUNK=cfg.chunk, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-           num_stages=cfg.num_stages)
+           HEADS_PAD=max(16, next_power_of_2(heads)), CHUNK=cfg.chunk, BLOCK_N=cfg.block_n,
+           WRITE_MASKED=write_masked, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
