@@ -308,3 +308,58 @@ def test_dynamic_true_on_gpu():
         matched = rewrites(report)
         assert matched == EXPECTED_MATCHES["decode"], f"{report['graph']}: {report['passes']}"
         assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
+
+
+def _indices_only(model):
+    """A decode that returns only the top-k indices, as a serving engine's indexer does (the logits stay inside)."""
+    return lambda *args: model.decode(*args)[1]
+
+
+def _assert_same_sets(want, got, share: float = 1.0) -> None:
+    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(want.cpu(), got.cpu()))
+    assert same >= share * want.shape[0], f"top-k sets differ in {want.shape[0] - same} of {want.shape[0]} rows"
+
+
+def test_a_decode_returning_only_the_indices_leaves_the_masked_logits_unwritten():
+    """The top-k is then the paged logits' only reader: the logits op is told not to write the masked columns past
+    each row's context (``write_masked=False``, docs/passes/topk_indices.md); the top-k sets are eager's. Where the
+    logits are returned too (every other test here), they are written whole."""
+    from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_graphs
+
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    model = Indexer(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    fn = _indices_only(model)
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size})
+    for batch in batches(config, layout, "decode"):
+        eager, comp = batch.clone(), batch.clone()
+        torch._dynamo.mark_static(comp.kv_cache)
+        _assert_same_sets(fn(*eager.args), compiled_fn(*comp.args))
+    for graph_dir in graph_dirs(dump_dir):
+        before, after = pass_graphs(graph_dir, "topk_indices")
+        assert (_write_masked(before), _write_masked(after)) == (True, False)
+
+
+def _write_masked(source: str) -> bool:
+    """``write_masked`` of a dumped graph's one ``nsa.paged_mqa_logits`` call (its 12th argument or a keyword)."""
+    import ast
+
+    (line,) = [line for line in source.splitlines() if "nsa.paged_mqa_logits" in line]
+    call = ast.parse(line.strip().split(";")[0]).body[0].value
+    given = {k.arg: k.value for k in call.keywords}.get("write_masked", call.args[11] if len(call.args) > 11 else None)
+    return True if given is None else ast.literal_eval(given)
+
+
+@pytest.mark.gpu
+def test_a_decode_returning_only_the_indices_on_gpu():
+    """The same on the GPU: the paged logits kernel leaves the masked columns unwritten and the top-k, which reads
+    each row up to its length only, gives eager's sets (>= 99 % of rows, as the other GPU steps)."""
+    config = IndexerConfig.deepseek_v32(max_model_len=4096)
+    layout = GPU_LAYOUTS["paged"]
+    model = Indexer(config, layout).cuda()
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    fn = _indices_only(model)
+    compiled_fn = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size})
+    with torch.no_grad():
+        for batch in gpu_cases(config, layout, "decode"):
+            _assert_same_sets(fn(*batch.clone().args), compiled_fn(*batch.clone().args), 0.99)
