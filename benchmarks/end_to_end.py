@@ -92,18 +92,24 @@ def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False, r
     # torch.compile takes mode or options, not both: the mode's Inductor options travel with the nsa ones.
     mode_options = torch._inductor.list_mode_options(mode) if mode else {}
 
-    def nsa(extra: dict):
-        return torch.compile(fn, backend="nsa_rocm", options={**options, **extra, **mode_options})
+    def nsa(extra: dict, step=fn):
+        return torch.compile(step, backend="nsa_rocm", options={**options, **extra, **mode_options})
+
+    def indices_only(*args):  # what a serving engine's indexer returns: the logits stay inside the step
+        return fn(*args)[1]
 
     variants = {
         "eager": fn,
         "inductor": torch.compile(fn, backend="inductor", mode=mode),
         # nsa_checks: with the index checks' device-side asserts (their cost); nsa_no_slot_gather: without the
         # gather_k_slots pass (Inductor gathers the engine's K: that pass's share); nsa_one_stream: without
-        # the side_stream pass (the K side on the current stream). All before nsa_rocm, whose pass report is the one printed.
+        # the side_stream pass (the K side on the current stream); nsa_indices_only: the step returning the top-k only
+        # (the paged logits then leave their masked columns unwritten). All before nsa_rocm, whose pass report is the
+        # one printed.
         "nsa_checks": nsa({"nsa.checks": True}),
         "nsa_no_slot_gather": nsa({"nsa.disable_passes": ["gather_k_slots"]}),
         "nsa_one_stream": nsa({"nsa.side_stream": False}),
+        "nsa_indices_only": nsa({}, indices_only),
         "nsa_rocm": nsa({}),
     }
     reports_before = nsa_inductor.last_reports()
@@ -117,6 +123,8 @@ def bench_step(name, fn, make_batch, options, mode, only, static_inputs=False, r
                 torch._dynamo.mark_static_address(t)
         with torch.no_grad():
             out = step(*run_batch.args)
+            if variant == "nsa_indices_only":  # no logits to compare: NaN in their place
+                out = (torch.full_like(eager_out[0], float("nan")), out)
             checks = agreement(eager_out, eager_batch.kv_cache, out, run_batch.kv_cache)
             if replay:
                 try:
@@ -643,7 +651,8 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,inductor,nsa_rocm",
                         help="comma-separated subset; nsa_checks is nsa_rocm with nsa.checks, nsa_no_slot_gather "
                              "without the gather_k_slots pass (default Inductor's prefill hits a torch 2.11 bug on "
-                             "GPUs), nsa_one_stream with nsa.side_stream=False")
+                             "GPUs), nsa_one_stream with nsa.side_stream=False, nsa_indices_only nsa_rocm's step "
+                             "returning the top-k only")
     parser.add_argument("--topk-order", choices=("sorted", "set"), default="sorted",
                         help="nsa.topk_order: torch's order (default) or set order (engines that use indices as a set)")
     parser.add_argument("--engine", action="store_true",
@@ -655,7 +664,8 @@ def main() -> None:
     sweep.add_argument("--cells", default=None,
                        help="subset, comma-separated: decode, prefill, B<b>, B<b>x<ctx>, T<t> (e.g. B1,B8 or T8192)")
     sweep.add_argument("--max-model-len", type=int, default=None,
-                       help="decode logits width (default: the config's, 65536; every cell shares it)")
+                       help="decode logits width (--sweep: default the config's, 65536, every cell shares it; one "
+                            "cell: default --ctx, a wider one as an engine allocates it)")
     sweep.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
     sweep.add_argument("--prefill-inductor", action="store_true", help="run default Inductor's prefill too")
     sweep.add_argument("--deadline", type=float, default=None, help="Unix time after which no new cell starts")
@@ -676,7 +686,7 @@ def main() -> None:
 
     decision = select_layout(args.layout)
     layout = decision.layout
-    config = getattr(IndexerConfig, args.config)(max_model_len=max(args.ctx, args.prefill))
+    config = getattr(IndexerConfig, args.config)(max_model_len=max(args.ctx, args.prefill, args.max_model_len or 0))
     print(describe(decision), flush=True)
     model = Indexer(config, layout).cuda()
     model.reset_parameters(torch.Generator().manual_seed(0))
