@@ -1,6 +1,7 @@
 """The reference indexer compiled with nsa_rocm equals eager: cache bytes (bit-exact up to the documented bound of
 wk_gate_gemm's summation order), logits, masks, top-k sets."""
 
+import ast
 import functools
 import json
 import pathlib
@@ -310,9 +311,10 @@ def test_dynamic_true_on_gpu():
         assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
 
 
-def _indices_only(model):
-    """A decode that returns only the top-k indices, as a serving engine's indexer does (the logits stay inside)."""
-    return lambda *args: model.decode(*args)[1]
+def _indices_only(model, entry: str = "decode"):
+    """A step that returns only the top-k indices, as a serving engine's indexer does (the logits stay inside)."""
+    step = getattr(model, entry)
+    return lambda *args: step(*args)[1]
 
 
 def _assert_same_sets(want, got, share: float = 1.0) -> None:
@@ -320,33 +322,45 @@ def _assert_same_sets(want, got, share: float = 1.0) -> None:
     assert same >= share * want.shape[0], f"top-k sets differ in {want.shape[0] - same} of {want.shape[0]} rows"
 
 
-def test_a_decode_returning_only_the_indices_leaves_the_masked_logits_unwritten():
-    """The top-k is then the paged logits' only reader: the logits op is told not to write the masked columns past
-    each row's context (``write_masked=False``, docs/passes/topk_indices.md); the top-k sets are eager's. Where the
+@pytest.mark.parametrize("entry, op", [("decode", torch.ops.nsa.paged_mqa_logits.default),
+                                       ("prefill", torch.ops.nsa.mqa_logits.default)])
+def test_a_step_returning_only_the_indices_leaves_the_masked_logits_unwritten(entry, op):
+    """The top-k is then the logits op's only reader: where it scans each row up to its length only, the op is told
+    not to write the masked columns past each row's last visible key (``write_masked=False``, docs/passes/
+    topk_indices.md; the references write NaN there, which a top-k reading them would rank first); where the lengths
+    are not known (next_n symbolic in the second decode graph) it writes them. The top-k sets are eager's. Where the
     logits are returned too (every other test here), they are written whole."""
     from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_graphs
 
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = Indexer(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
-    fn = _indices_only(model)
+    fn = _indices_only(model, entry)
     compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size})
-    for batch in batches(config, layout, "decode"):
+    for batch in batches(config, layout, entry):
         eager, comp = batch.clone(), batch.clone()
         torch._dynamo.mark_static(comp.kv_cache)
         _assert_same_sets(fn(*eager.args), compiled_fn(*comp.args))
+    unwritten = 0
     for graph_dir in graph_dirs(dump_dir):
         before, after = pass_graphs(graph_dir, "topk_indices")
-        assert (_write_masked(before), _write_masked(after)) == (True, False)
+        assert _write_masked(before, op)
+        (topk,) = [line for line in after.splitlines() if "torch.ops.nsa.topk_indices." in line]
+        lengths = ast.parse(topk.strip().split(";")[0]).body[0].value.args[2]
+        with_lengths = not (isinstance(lengths, ast.Constant) and lengths.value is None)
+        assert _write_masked(after, op) is not with_lengths
+        unwritten += with_lengths
+    assert unwritten
 
 
-def _write_masked(source: str) -> bool:
-    """``write_masked`` of a dumped graph's one ``nsa.paged_mqa_logits`` call (its 12th argument or a keyword)."""
-    import ast
-
-    (line,) = [line for line in source.splitlines() if "nsa.paged_mqa_logits" in line]
+def _write_masked(source: str, op) -> bool:
+    """``write_masked`` of a dumped graph's one call of ``op`` (positional or keyword; its default True)."""
+    name = op._schema.name.replace("::", ".")
+    (line,) = [line for line in source.splitlines() if f"torch.ops.{name}." in line]
     call = ast.parse(line.strip().split(";")[0]).body[0].value
-    given = {k.arg: k.value for k in call.keywords}.get("write_masked", call.args[11] if len(call.args) > 11 else None)
+    index = [a.name for a in op._schema.arguments].index("write_masked")
+    given = {k.arg: k.value for k in call.keywords}.get("write_masked",
+                                                          call.args[index] if len(call.args) > index else None)
     return True if given is None else ast.literal_eval(given)
 
 

@@ -4,8 +4,8 @@ Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked i
 ``== -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
 indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
-mask bounds each row's scan (``lengths``), and where the top-k is the paged logits' only reader, the logits op leaves
-the masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
+mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader, the logits op leaves the
+masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
@@ -162,8 +162,8 @@ class TopkIndices(GraphPass):
         logits = found["logits"]
         with graph.inserting_before(replaced):
             lengths = _lengths(graph, logits)
-            if is_op(logits, torch.ops.nsa.paged_mqa_logits.default) and len(logits.users) == 1:
-                set_arg(logits, "write_masked", False)  # the top-k reads each row up to its length only
+            if lengths is not None and len(logits.users) == 1:  # an nsa logits op read only up to the lengths
+                set_arg(logits, "write_masked", False)
             sorted_ = bool(found["sorted"]) and self.order == "sorted"
             new = insert_call(graph, torch.ops.nsa.topk_indices.default,
                               (logits, found["k"], lengths, found["offset"], found["pad"], sorted_))

@@ -86,9 +86,11 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
         for pad, order in (("neg1", False), ("column", True)):
             calls.append(("topk_indices", (logits, 2048, lengths, None, pad, order), {}))
     tokens = 4096
-    calls.append(("mqa_logits", (torch.zeros(tokens, 64, 128, dtype=fp8), torch.zeros(tokens, 128, dtype=fp8),
-                                 torch.zeros(tokens), torch.zeros(tokens, 64), torch.zeros(tokens, dtype=torch.int32),
-                                 torch.arange(1, tokens + 1, dtype=torch.int32)), {}))
+    for write_masked in (True, False):
+        calls.append(("mqa_logits", (torch.zeros(tokens, 64, 128, dtype=fp8), torch.zeros(tokens, 128, dtype=fp8),
+                                     torch.zeros(tokens), torch.zeros(tokens, 64),
+                                     torch.zeros(tokens, dtype=torch.int32),
+                                     torch.arange(1, tokens + 1, dtype=torch.int32)), {"write_masked": write_masked}))
     x = torch.zeros(tokens, 64, 128, dtype=torch.bfloat16)  # prefill's q: 64-row dot tiles, with its RoPE
     rope = {"rope_cos": cos_sin[:, 0], "rope_sin": cos_sin[:, 1], "positions": torch.arange(tokens)}
     calls.append(("rotate_act_quant", (x, rotation, 128**-0.5, False, 128, "ue8m0", fp8, float(torch.finfo(fp8).max)),

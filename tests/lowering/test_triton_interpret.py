@@ -355,6 +355,28 @@ def test_mqa_logits_matches_float64(block_m, block_n):
 
 
 @child_only
+def test_mqa_logits_leaves_the_tiles_past_every_rows_end_unwritten():
+    """``write_masked=False``: every column before a row's ke is the reference's (-inf below ks included), and a tile
+    of columns at or past every one of its rows' ke is not written (the NaN the buffer held stays)."""
+    tk = _kernels("mqa_logits")
+    gen = torch.Generator().manual_seed(6)
+    tokens, keys, heads, block_m, block_n = 40, 70, 16, 16, 16
+    q, k = random_fp8((tokens, heads, 128), FN, gen), random_fp8((keys, 128), FN, gen)
+    k_scale, weights = torch.rand(keys, generator=gen) + 0.05, torch.randn(tokens, heads, generator=gen)
+    ks = torch.tensor([0] * 25 + [25] * 15, dtype=torch.int32)  # causal prefill of two sequences
+    ke = torch.arange(1, tokens + 1, dtype=torch.int32)
+    ke[-3:] = ks[-3:]  # empty windows
+    out = torch.full((tokens, keys), float("nan"))
+    got = tk.mqa_logits(q, k, k_scale, weights, ks, ke, write_masked=False, out=out,
+                        config=tk.RaggedConfig(block_m, block_n))
+    want = ragged_logits64(q, k, k_scale, weights, ks, ke)
+    for t in range(tokens):
+        assert_logits_close(got[t:t + 1, :ke[t]], want[t:t + 1, :ke[t]], rtol=1e-5)
+        block_end = int(ke[t // block_m * block_m:(t // block_m + 1) * block_m].max())
+        assert got[t, -(-block_end // block_n) * block_n:].isnan().all()
+
+
+@child_only
 def test_fnuz_logits_in_interpreter():
     """fnuz (tl.float8e4b8) is what the kernels use on ROCm gfx942."""
     tk = _kernels("paged_mqa_logits")

@@ -18,5 +18,6 @@ def _ragged_logits_fn():
     return module.fp8_mqa_logits
 
 
-def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke):
+def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, write_masked=True):
+    """Every element: aiter's ``clean_logits`` masks [0, ks) and [ke, N) together (``write_masked`` saves nothing)."""
     return _ragged_logits_fn()(q_fp8, k_fp8, k_scale, weights, ks, ke).contiguous()

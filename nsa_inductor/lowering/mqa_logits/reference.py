@@ -8,8 +8,10 @@ import torch
 from .._common import MAX_SCORE_ELEMENTS
 
 
-def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke) -> torch.Tensor:
-    """Ragged (prefill) logits ``[T, N]``: row ``t`` sees keys ``ks[t] <= n < ke[t]``, -inf elsewhere."""
+def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, write_masked=True) -> torch.Tensor:
+    """Ragged (prefill) logits ``[T, N]``: row ``t`` sees keys ``ks[t] <= n < ke[t]``, -inf elsewhere; without
+    ``write_masked``, NaN from ``ke[t]`` on (unspecified there: NaN, which a top-k ranks first, makes a reader past
+    ``ke`` visible in CPU tests)."""
     tokens, heads, _ = q_fp8.shape
     num_keys = k_fp8.shape[0]
     out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q_fp8.device)
@@ -22,4 +24,6 @@ def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke) -> torch.Tensor:
         logits = (scores.relu() * weights[t0:t1].float()[:, :, None]).sum(dim=1)
         mask = (cols[None, :] >= ks[t0:t1, None]) & (cols[None, :] < ke[t0:t1, None])
         out[t0:t1] = torch.where(mask, logits, float("-inf"))
+    if not write_masked:
+        out.masked_fill_(cols[None, :] >= ke[:, None], float("nan"))
     return out

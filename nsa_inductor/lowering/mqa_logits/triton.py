@@ -38,12 +38,14 @@ def _mqa_logits_kernel(
     heads,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WRITE_MASKED: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """``out[t, n] = k_scale[n] * sum_h w[t,h] * relu(q8[t,h] . k8[n])`` on one tile, -inf outside [ks, ke).
 
     k_scale > 0 is factored out of the head sum (exact in real arithmetic) to save one multiply per score.
-    Tiles outside every row's window only store -inf. Key tiles are the fast grid axis, so programs running at the
+    Tiles outside every row's window only store -inf (without WRITE_MASKED, not those at or past every row's ke:
+    a causal prefill's upper triangle). Key tiles are the fast grid axis, so programs running at the
     same time share their q rows (all heads: BLOCK_M * H * 128 bytes) in L2.
     """
     wait_for_previous_grid(PDL)
@@ -70,12 +72,17 @@ def _mqa_logits_kernel(
         logits = tl.where(inside, acc * k_scale[None, :], float("-inf"))
     else:
         logits = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * num_keys + cols[None, :], logits,
-             mask=row_ok[:, None] & col_ok[None, :])
+    dst = out_ptr + rows[:, None].to(tl.int64) * num_keys + cols[None, :]
+    if WRITE_MASKED:
+        tl.store(dst, logits, mask=row_ok[:, None] & col_ok[None, :])
+    elif tl.max(ke, axis=0) > n0:  # (a row of the tile is read this far: rows past the tokens have ke 0)
+        tl.store(dst, logits, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, out=None, config: RaggedConfig | None = None):
-    """Prefill logits ``[T, N]`` fp32, every element written (-inf outside ``[ks[t], ke[t])``)."""
+def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, write_masked=True, out=None,
+               config: RaggedConfig | None = None):
+    """Prefill logits ``[T, N]`` fp32, every element written (-inf outside ``[ks[t], ke[t])``; with ``write_masked``
+    False, not the tiles at or past every one of their rows' ``ke``)."""
     cfg = config or RAGGED_CONFIG
     tokens, heads, _ = q_fp8.shape
     num_keys = k_fp8.shape[0]
@@ -84,6 +91,6 @@ def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, out=None, config: RaggedC
     if tokens == 0 or num_keys == 0:
         return out
     launch(_mqa_logits_kernel, (cdiv(num_keys, cfg.block_n), cdiv(tokens, cfg.block_m)), q_fp8, k_fp8, k_scale, weights,
-           ks, ke, out, tokens, num_keys, heads, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-           num_stages=cfg.num_stages)
+           ks, ke, out, tokens, num_keys, heads, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WRITE_MASKED=write_masked,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -11,8 +11,9 @@ from .._common import MAX_SCORE_ELEMENTS, head_weights, slots_of
 
 def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle,
                      weights_factor=None, weight_scale=1.0, write_masked=True) -> torch.Tensor:
-    """Decode logits ``[B*next_n, max_len]``: row ``b*next_n+j`` sees keys ``s <= ctx_b - next_n + j``, else -inf
-    (also without ``write_masked``: what the masked columns hold is then unspecified).
+    """Decode logits ``[B*next_n, max_len]``: row ``b*next_n+j`` sees keys ``s <= ctx_b - next_n + j``, else -inf;
+    without ``write_masked``, NaN past the row's last visible key (unspecified there: NaN, which a top-k ranks
+    first, makes a reader past it visible in CPU tests).
 
     Only the block table's reach (``max_pages * page_size`` columns) can hold keys (contexts fit their table, DESIGN
     §4); the columns past it are -inf without being computed, which keeps a ``max_model_len``-wide call cheap.
@@ -38,4 +39,8 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         limit = ctx[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]
         mask = (cols[None, None, :] <= limit[:, :, None]) & readable[:, None, :]
         out.view(batch, next_n, max_len)[b0:b1, :, :reach] = torch.where(mask, logits, float("-inf"))
+    if not write_masked:
+        limit = context_lens.long()[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]
+        past = torch.arange(max_len, device=q_fp8.device)[None, :] > limit.view(-1, 1)
+        out.masked_fill_(past, float("nan"))
     return out
