@@ -65,8 +65,8 @@ def paged_mqa_logits(
     itself, so the model's ``(p[0] + p[1] + ...) * q_scale * c`` needs no kernel of its own. ``join_side_stream``
     (CUDA, while a graph is captured): first, the current stream waits for the device's second stream
     (lowering/_streams.py), where the weights and the cache may have been written. ``write_masked=False``: the
-    columns past a row's last visible key are not written (they hold what the buffer held): for a reader that stops
-    at each row's visible columns, as ``nsa.topk_indices`` with the rows' lengths does, where an engine's
+    columns past a row's last visible key may be left unwritten (unspecified): for a reader that stops at each row's
+    visible columns, as ``nsa.topk_indices`` with the rows' lengths does, where an engine's
     ``max_model_len``-wide rows are mostly past the context."""
     _validate(q_fp8, cache, weights, context_lens, block_table, max_len, page_size, preshuffle, weights_factor)
     if join_side_stream:
