@@ -365,15 +365,16 @@ def _write_masked(source: str, op) -> bool:
 
 
 @pytest.mark.gpu
-def test_a_decode_returning_only_the_indices_on_gpu():
-    """The same on the GPU: the paged logits kernel leaves the masked columns unwritten and the top-k, which reads
-    each row up to its length only, gives eager's sets (>= 99 % of rows, as the other GPU steps)."""
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_a_step_returning_only_the_indices_on_gpu(entry):
+    """The same on the GPU: the logits kernels leave the masked columns past each row's end unwritten and the top-k,
+    which reads each row up to its length only, gives eager's sets (>= 99 % of rows, as the other GPU steps)."""
     config = IndexerConfig.deepseek_v32(max_model_len=4096)
     layout = GPU_LAYOUTS["paged"]
     model = Indexer(config, layout).cuda()
     model.reset_parameters(torch.Generator().manual_seed(0))
-    fn = _indices_only(model)
+    fn = _indices_only(model, entry)
     compiled_fn = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size})
     with torch.no_grad():
-        for batch in gpu_cases(config, layout, "decode"):
+        for batch in gpu_cases(config, layout, entry):
             _assert_same_sets(fn(*batch.clone().args), compiled_fn(*batch.clone().args), 0.99)
