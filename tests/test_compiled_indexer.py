@@ -216,8 +216,13 @@ def assert_gpu_step_close(eager_fn, batch, layout, cache, outputs) -> None:
     c_logits, c_topk = outputs
     assert_k_cache_matches(eager.kv_cache, cache, batch.slot_mapping, layout)
     assert_logits_close(c_logits, logits)
-    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(topk.cpu(), c_topk.cpu()))
-    assert same >= 0.99 * topk.shape[0], f"top-k sets differ in {topk.shape[0] - same} rows"
+    _assert_same_sets(topk, c_topk, 0.99)
+
+
+def _assert_same_sets(want, got, share: float = 1.0) -> None:
+    """The top-k index sets of ``got`` are ``want``'s in at least ``share`` of the rows."""
+    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(want.cpu(), got.cpu()))
+    assert same >= share * want.shape[0], f"top-k sets differ in {want.shape[0] - same} of {want.shape[0]} rows"
 
 
 @pytest.mark.gpu
@@ -315,11 +320,6 @@ def _indices_only(model, entry: str = "decode"):
     """A step that returns only the top-k indices, as a serving engine's indexer does (the logits stay inside)."""
     step = getattr(model, entry)
     return lambda *args: step(*args)[1]
-
-
-def _assert_same_sets(want, got, share: float = 1.0) -> None:
-    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(want.cpu(), got.cpu()))
-    assert same >= share * want.shape[0], f"top-k sets differ in {want.shape[0] - same} of {want.shape[0]} rows"
 
 
 @pytest.mark.parametrize("entry, op", [("decode", torch.ops.nsa.paged_mqa_logits.default),

@@ -206,7 +206,8 @@ def paged_topk(q8, cache, w, ctx, bt, *, also_logits):
 def test_paged_logits_leave_the_masked_columns_to_an_only_top_k(also_logits):
     """The top-k reads each row up to its length: where it is the paged logits' only reader, the logits op is told
     to leave the masked columns past each row's context unwritten (``write_masked=False``); where the logits are
-    also returned, it writes every element as before. Results as before either way (the CPU reference writes all)."""
+    also returned, it writes every element as before. Results as before either way (the CPU reference writes NaN
+    where the columns are left unspecified, and the top-k does not read them)."""
     from nsa_inductor.indexer import IndexerConfig
     from nsa_inductor.layout import KCacheLayout
     from nsa_inductor.workload import decode_batch
