@@ -27,7 +27,7 @@ import sys
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # (last: a package on PYTHONPATH, an A/B's, wins)
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' helpers: random caches, guarded buffers, references
 
 import nsa_inductor  # noqa: E402,F401  registers torch.ops.nsa

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # (last: a package on PYTHONPATH, an A/B's, wins)
 
 from nsa_inductor.layout import KCacheLayout  # noqa: E402
 from timing import graph_us  # noqa: E402

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # (last: a package on PYTHONPATH, an A/B's, wins)
 
 from nsa_inductor.indexer import Indexer, IndexerConfig  # noqa: E402
 from nsa_inductor.layout import KCacheLayout  # noqa: E402
