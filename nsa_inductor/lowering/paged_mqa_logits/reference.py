@@ -25,10 +25,10 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
     reach = min(max_len, block_table.shape[1] * page_size)
     out = torch.full((batch * next_n, max_len), float("-inf"), dtype=torch.float32, device=q_fp8.device)
     cols = torch.arange(reach, device=q_fp8.device)
+    limit = context_lens.long()[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]  # last key
     rows_per_step = max(1, MAX_SCORE_ELEMENTS // max(1, (next_n * heads + HEAD_DIM) * reach))
     for b0 in range(0, batch, rows_per_step):
         b1 = min(batch, b0 + rows_per_step)
-        ctx = context_lens[b0:b1].long()
         seqs = torch.arange(b1 - b0, device=q_fp8.device)
         slots, readable = slots_of(block_table[b0:b1], seqs[:, None], cols[None, :], page_size, cache.shape[0])
         values, scale = layout.load(cache, slots.reshape(-1), q_fp8.dtype)
@@ -36,11 +36,9 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
         scores = torch.einsum("bjhd,bsd->bjhs", q_fp8[b0:b1].float(), values) * scale.view(b1 - b0, 1, 1, reach)
         w = weights.view(batch, next_n, heads, 1)[b0:b1].float()
         logits = (scores.relu() * w).sum(dim=2)
-        limit = ctx[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]
-        mask = (cols[None, None, :] <= limit[:, :, None]) & readable[:, None, :]
+        mask = (cols[None, None, :] <= limit[b0:b1, :, None]) & readable[:, None, :]
         out.view(batch, next_n, max_len)[b0:b1, :, :reach] = torch.where(mask, logits, float("-inf"))
     if not write_masked:
-        limit = context_lens.long()[:, None] - next_n + torch.arange(next_n, device=q_fp8.device)[None, :]
         past = torch.arange(max_len, device=q_fp8.device)[None, :] > limit.view(-1, 1)
         out.masked_fill_(past, float("nan"))
     return out
