@@ -455,14 +455,15 @@ def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pa
        sorted_=st.booleans(), with_lengths=st.booleans(), path=st.sampled_from(["radix_split", "radix_row"]),
        segment=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]),
        sort=st.sampled_from([None, "chunks"]), sort_chunk=st.sampled_from([4, 16]),
-       merge_part=st.sampled_from([4, 64]), interpolation_steps=st.sampled_from([None, 0, 2]), seed=st.integers(0, 99))
+       merge_part=st.sampled_from([4, 64]), interpolation_steps=st.sampled_from([None, 0, 2]),
+       small_block=st.sampled_from([4, 2048]), seed=st.integers(0, 99))
 def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
                                                     segment, block, capacity, sort, sort_chunk, merge_part,
-                                                    interpolation_steps, seed):
+                                                    interpolation_steps, small_block, seed):
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
     row in two launches, the last program of a row to arrive selecting, or per row in one, in chunks of `segment`
-    columns) on the same rows: candidates held in registers, streamed, or overflowing their buffer (the row selected
-    again); sorted by ranks (the split path's few rows) or by chunks of 4 or 16 entries merged by rank, a chunk's
+    columns) on the same rows: candidates held in registers (on the split path, in a smaller block where at most 4
+    are), streamed, or overflowing their buffer (the row selected again); sorted by ranks (the split path's few rows) or by chunks of 4 or 16 entries merged by rank, a chunk's
     entries placed by one program or by parts of 4; the output's neighbours untouched. The candidates' search
     interpolates its first trials, then halves: also with none (0) or 2 before halving."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
@@ -472,7 +473,7 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
     offset = -torch.arange(rows)
     guarded = torch.full((rows + 2, k), 12345, dtype=torch.int32)
     tk = _kernels("topk_indices")
-    constants = {"MERGE_PART": merge_part}
+    constants = {"MERGE_PART": merge_part, "RADIX_SMALL_BLOCK": small_block}
     if interpolation_steps is not None:
         constants["INTERPOLATION_STEPS"] = type(tk.INTERPOLATION_STEPS)(interpolation_steps)
     with mock.patch.multiple(tk, **constants):

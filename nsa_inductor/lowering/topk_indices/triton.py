@@ -43,6 +43,9 @@ INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole 
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
 RADIX_CAPACITY = 16384
+# The split path's final select holds a row's candidates in a block of this many where they fit (a short row's in
+# an engine's max_model_len-wide logits) rather than in the block sized for a whole row (BENCHMARKS.md, top-k).
+RADIX_SMALL_BLOCK = 2048
 # The radix path in one launch (`_radix_row_kernel`): rows from which it is used, candidates its select holds in
 # registers, warps (its chunk: `radix_row_chunk`).
 RADIX_ROW_MIN_ROWS = 256
@@ -711,8 +714,8 @@ def _row_counts(hist_row, used, before, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.c
 def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out, out_keys, n_cols,
                           stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
-                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
+                          BINS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from the counts of the segments
     holding its columns; segment s's columns above b go straight to the output (after those of the segments before
     it), its columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last
@@ -749,17 +752,22 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
                 total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
                 _, above_total, in_bin_total = _boundary_bin(total, take, BINS)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
-                               shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK)
+                               shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
         _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
 
 
 @triton.jit
 def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst_keys, length, shift_cols, capacity,
-                       PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, BLOCK: tl.constexpr):
+                       PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, BLOCK: tl.constexpr,
+                       SMALL_BLOCK: tl.constexpr):
     """The rest of a row's top k after its ``above`` columns above the boundary bin, among the bin's ``n_cand``
-    candidates (held in registers up to BLOCK of them, streamed up to ``capacity``; past that, the whole top k from
-    the row itself); with WRITE_KEYS their keys to ``dst_keys``."""
-    if n_cand <= tl.minimum(BLOCK, capacity):
+    candidates (held in registers: in a block of SMALL_BLOCK where they are that few, as a short row's in an engine's
+    wide logits, else up to BLOCK; streamed up to ``capacity``; past that, the whole top k from the row itself);
+    with WRITE_KEYS their keys to ``dst_keys``."""
+    if (SMALL_BLOCK < BLOCK) and (n_cand <= tl.minimum(SMALL_BLOCK, capacity)):  # a short row's few candidates
+        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
+                False, WRITE_KEYS, not PAD_COLUMNS, SMALL_BLOCK, True, True)
+    elif n_cand <= tl.minimum(BLOCK, capacity):
         _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
                 False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, True, True)
     elif n_cand <= capacity:
@@ -811,7 +819,7 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
         _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst, length, shift_cols, capacity,
-                           PAD_COLUMNS, False, BLOCK)
+                           PAD_COLUMNS, False, BLOCK, BLOCK)
     _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
 
 
@@ -967,7 +975,8 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     launch(_radix_compact_kernel, (rows, segments), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
            out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
            WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
-           BLOCK=block, BINS=RADIX_SPLIT_BINS, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+           BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block), BINS=RADIX_SPLIT_BINS,
+           num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
 def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
