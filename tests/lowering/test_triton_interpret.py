@@ -463,9 +463,10 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
     row in two launches, the last program of a row to arrive selecting, or per row in one, in chunks of `segment`
     columns) on the same rows: candidates held in registers (on the split path, in a smaller block where at most 4
-    are), streamed, or overflowing their buffer (the row selected again); sorted by ranks (the split path's few rows) or by chunks of 4 or 16 entries merged by rank, a chunk's
-    entries placed by one program or by parts of 4; the output's neighbours untouched. The candidates' search
-    interpolates its first trials, then halves: also with none (0) or 2 before halving."""
+    are), streamed, or overflowing their buffer (the row selected again); sorted by ranks (the split path's few
+    rows) or by chunks of 4 or 16 entries merged by rank, a chunk's entries placed by one program or by parts of 4;
+    the output's neighbours untouched. The candidates' search interpolates its first trials, then halves: also with
+    none (0) or 2 before halving."""
     logits = adversarial_topk_logits(rows, cols, kind, seed)
     k = round(k_frac * cols)
     lengths = torch.randint(0, cols + 2, (rows,), generator=torch.Generator().manual_seed(seed)).int() \
