@@ -584,6 +584,37 @@ def test_topk_indices_kernel_at_length_edges(k):
                 assert_topk_valid(logits, got, k, lengths, None, pad, True)
 
 
+@child_only
+@pytest.mark.parametrize("k", [1, 6])
+def test_topk_search_ends_one_key_from_the_bound(k):
+    """The radix paths' search over a bin's candidates, its bracket holding take + 1 keys at or above its low end or
+    take - 1 above its high end, ends in one reduction (``_finish_at_end``): rows of k + 1 finite values (the k-th
+    key the lowest, held once or twice) and, with k = 1, of several (the highest held once or twice; twice of three,
+    so that the keys below it are k), one bin's values (a few ulps apart); every path (the bisection searches them
+    as before), in one block and streamed; the output's neighbours untouched."""
+    cols = 20
+    base = torch.tensor(0x3F800000)
+    rows = []
+    for n_finite, tie in ((k + 1, None), (k + 1, "low"), (5, None), (5, "high"), (3, "high")):
+        bits = (base + torch.randperm(n_finite, generator=torch.Generator().manual_seed(n_finite)) * 3).int()
+        if tie == "low":
+            bits[bits == bits.min()] = bits.sort().values[1]  # the lowest value twice
+        elif tie == "high":
+            bits[bits == bits.min()] = bits.max()  # the highest value twice
+        row = torch.full((cols,), float("-inf"))
+        row[torch.randperm(cols, generator=torch.Generator().manual_seed(k))[:n_finite]] = bits.view(torch.float32)
+        rows.append(row)
+    logits = torch.stack(rows)
+    tk = _kernels("topk_indices")
+    for path in tk.PATHS:
+        for block in (4, 32):
+            guarded = torch.full((len(rows) + 2, k), 12345, dtype=torch.int32)
+            got = tk.topk_indices(logits, k, None, None, "neg1", False, out=guarded[1:-1], path=path, block=block,
+                                  segment=8, chunk=8, capacity=cols)
+            assert_topk_valid(logits, got, k)
+            assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
+
+
 def _rope_case(tokens: int, rope_dim: int, gen) -> tuple:
     """RoPE tables as strided views of one ``[P, 2, rope_dim/2]`` buffer (``rope_cos_sin``), and positions that
     wrap (-1), fall outside the tables (P, -P-1: NaN rows) or repeat."""

@@ -51,7 +51,8 @@ RADIX_SMALL_BLOCK = 2048
 RADIX_ROW_MIN_ROWS = 256
 RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
-RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 8 and 16)
+RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 1, 2, 8, 16)
+RADIX_HISTOGRAM_WARPS = 8  # the split path's histogram (BENCHMARKS.md, top-k: 8 beat 4)
 # The two-launch sort (sorted order of more survivors than one chunk): entries per chunk sorted in registers (512
 # beat 256 and 1024 at 1-64 rows and in a causal prefill), and per program that places them (with one program per
 # chunk the merge was a B=1 step's slowest kernel), twice as many from MERGE_MANY_ROWS rows (fewer programs where
@@ -246,6 +247,64 @@ def _split_at(src, cand_keys, u0, pos, n_pos, trial, GATHER: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _lowest_count(low_a, n_a, low_b, n_b):
+    low = tl.minimum(low_a, low_b)
+    return low, tl.where(low_a == low, n_a, 0) + tl.where(low_b == low, n_b, 0)
+
+
+@triton.jit
+def _block_lowest(u, lo, top, flip):
+    """(the lowest of the keys in [lo, top], each xor ``flip``, how many positions hold it) of one block, in one
+    CTA-wide reduction (lo > 0: positions without a column are never in it)."""
+    u = _flat(u)
+    inside = (u >= lo) & (u <= top)
+    return tl.reduce((tl.where(inside, u ^ flip, tl.full(u.shape, 0xFFFFFFFF, tl.uint32)), inside.to(tl.int32)), 0,
+                     _lowest_count)
+
+
+@triton.jit
+def _key_lowest(src, cand_keys, u0, pos, n_pos, lo, top, flip, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                ONE_BLOCK: tl.constexpr):
+    """``_block_lowest`` of the keys at positions [0, n_pos)."""
+    if ONE_BLOCK:
+        lowest, n_lowest = _block_lowest(u0, lo, top, flip)
+    else:
+        lowest = tl.full((), 0xFFFFFFFF, tl.uint32)
+        n_lowest = tl.zeros((), tl.int32)
+        for start in range(0, n_pos, BLOCK):
+            block = _block_lowest(_position_keys(src, cand_keys, start + pos, n_pos, GATHER), lo, top, flip)
+            lowest, n_lowest = _lowest_count(lowest, n_lowest, *block)
+    return lowest, n_lowest
+
+
+@triton.jit
+def _one_key_from_end(at_bound, above_bound, take):
+    """Whether a search's bracket is one key from the take-th at an end: take + 1 keys at or above its low end, or
+    take - 1 above its high end (``_finish_at_end`` then ends it)."""
+    return (at_bound - take == 1) | (take - above_bound == 1)
+
+
+@triton.jit
+def _finish_at_end(src, cand_keys, u0, pos, n_pos, lo, top, at_bound, above_bound, take, GATHER: tl.constexpr,
+                   BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """Ends a search one key from the take-th at an end of its bracket [lo, top] (``_one_key_from_end``) in one
+    reduction, where counting trial bounds would close in on it a key at a time (a launch waits for its slowest
+    row). Take + 1 at or above lo: the take-th key is the bracket's lowest, or (held once) the keys above it are the
+    take wanted; take - 1 above top: it is the bracket's highest (the lowest of the keys' complements). Returns
+    (bound, at_bound, above_bound) as the search leaves them: exact where at_bound == take, else bound is the
+    take-th key."""
+    at_low = at_bound - take == 1
+    flip = tl.where(at_low, 0, 0xFFFFFFFF).to(tl.uint32)
+    end, n_end = _key_lowest(src, cand_keys, u0, pos, n_pos, lo, top, flip, GATHER, BLOCK, ONE_BLOCK)
+    end = end ^ flip
+    low_exact = at_low & (at_bound - n_end == take)
+    bound = tl.where(low_exact, end + 1, end)
+    new_at_bound = tl.where(at_low, tl.where(low_exact, take, at_bound), above_bound + n_end)
+    new_above_bound = tl.where(at_low, at_bound - n_end, above_bound)
+    return bound, new_at_bound, new_above_bound
+
+
+@triton.jit
 def _upper_normal_quantile(p):
     """z with P(Z > z) = p for a standard normal Z, p in (0, 1) (Abramowitz and Stegun 26.2.23, |error| < 4.5e-4)."""
     tail = tl.maximum(tl.minimum(p, 1.0 - p), 1e-30)
@@ -309,11 +368,12 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     above_bound = tl.where(n_finite < take, n_finite, 0)
     if ONE_BIN:
         # One radix bin's keys, close together: from their range, each trial where the counts at the bracket's two
-        # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties).
+        # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties); one key from the take-th
+        # at an end of the bracket, one reduction ends it (`_finish_at_end`; on a whole row it was slower).
         lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
         width = (highest - lo).to(tl.int32) + 1  # (below 2^31: the widest bin, 3, spans ~2^30 keys)
         at_bound = tl.where(searching, n_finite, n_valid)
-        go = searching & (at_bound != take) & (width > 1)
+        go = searching & (at_bound != take) & (width > 1) & ~_one_key_from_end(at_bound, above_bound, take)
         step = 0
         while go:
             if step < INTERPOLATION_STEPS:
@@ -330,9 +390,13 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             width = tl.where(raised, width - offset, offset)
             at_bound = tl.where(raised, count, at_bound)
             above_bound = tl.where(raised, above_bound, count)
-            go = (at_bound != take) & (width > 1)
+            go = (at_bound != take) & (width > 1) & ~_one_key_from_end(at_bound, above_bound, take)
             step += 1
         bound = lo
+        if searching & (at_bound != take) & (width > 1):  # (one key from the take-th at an end)
+            bound, at_bound, above_bound = _finish_at_end(src, cand_keys, u0, pos, n_pos, lo,
+                                                          lo + (width - 1).to(tl.uint32), at_bound, above_bound,
+                                                          take, GATHER, BLOCK, ONE_BLOCK)
     else:
         # A whole row's keys: the bracket starts as all keys above -inf. The first trial is where a normal
         # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it with
@@ -971,7 +1035,8 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
     launch(_radix_histogram_kernel, (rows, segments), logits, lengths, hist, arrivals, n_cols, stride, segments, k,
-           HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, BINS=RADIX_SPLIT_BINS, num_warps=4)
+           HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, BINS=RADIX_SPLIT_BINS,
+           num_warps=RADIX_HISTOGRAM_WARPS)
     launch(_radix_compact_kernel, (rows, segments), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
            out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
            WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
