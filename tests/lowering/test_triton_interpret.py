@@ -588,10 +588,10 @@ def test_topk_indices_kernel_at_length_edges(k):
 @pytest.mark.parametrize("k", [1, 6])
 def test_topk_search_ends_one_key_from_the_bound(k):
     """The radix paths' search over a bin's candidates, its bracket holding take + 1 keys at or above its low end or
-    take - 1 above its high end, ends in one reduction (``_finish_at_end``): rows of k + 1 finite values (the k-th
-    key the lowest, held once or twice) and, with k = 1, of several (the highest held once or twice; twice of three,
-    so that the keys below it are k), one bin's values (a few ulps apart); every path (the bisection searches them
-    as before), in one block and streamed; the output's neighbours untouched."""
+    take - 1 above its high end, ends in one reduction (``_finish_at_end``): rows of k + 1 finite values (the lowest
+    held once: the keys above it are the k; or twice: it is the k-th) and, with k = 1, of several (the highest held
+    once or twice; twice of three, so that the keys below it are k), one bin's values (a few ulps apart); every path
+    (the bisection searches them as before), in one block and streamed; the output's neighbours untouched."""
     cols = 20
     base = torch.tensor(0x3F800000)
     rows = []
