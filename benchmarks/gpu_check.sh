@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode|engine]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode|engine|ab]
 # topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
 # torch's order and set order, B=1 ctx 32768).
 # rotate: GPU tests, the fused Hadamard rotation's kernels against eager/cuBLAS, its numerics against eager
@@ -15,6 +15,8 @@
 # per kernel of the B=64 and B=1 steps (profile_decode.py).
 # engine: the engine-fed indexer (metadata as inputs): prefill T=8192 (also without the gather_k_slots pass) and a
 # CUDA-graph decode, eager vs nsa_rocm.
+# ab: `topk_ab.py` (no GPU tests): the package copies in AB_PKGS ("name=dir,...", default "main=dev/main_pkg,tree=.";
+# make a copy with `git archive`, see topk_ab.py, and carry dev/), the cells in AB_CELLS (default: its own).
 # GPU_TESTS=0 skips the GPU tests of the modes that run them (they take ~330 s of the 600 s a device call may run:
 # `decode` with them does not fit one call).
 set -uo pipefail
@@ -39,7 +41,7 @@ if [ "$mode" = "numerics" ] || [ "$mode" = "rotate" ]; then
 fi
 
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ] && [ "$mode" != "sweep" ] \
-    && [ "$mode" != "host" ] && [ "$mode" != "engine" ]; then
+    && [ "$mode" != "host" ] && [ "$mode" != "engine" ] && [ "$mode" != "ab" ]; then
   python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/lowering/test_launch.py tests/test_compiled_indexer.py tests/test_compiled_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -80,6 +82,10 @@ case "$mode" in
           done
           python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/profile_b64.log" | tail -n 14
           python3 benchmarks/profile_decode.py --batch 1 --ctx 32768 2>&1 | tee "$OUT/profile_b1.log" | tail -n 16 ;;
+  ab) copies=()
+      IFS=, read -ra pkgs <<< "${AB_PKGS:-main=dev/main_pkg,tree=.}"
+      for pkg in "${pkgs[@]}"; do copies+=(--pkg "$pkg"); done
+      python3 benchmarks/topk_ab.py "${copies[@]}" ${AB_CELLS:+--cells "$AB_CELLS"} 2>&1 | tee "$OUT/topk_ab.log" ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \

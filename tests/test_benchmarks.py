@@ -97,3 +97,21 @@ def test_topk_overlap_counts_sets_not_order(e2e):
     assert identical.tolist() == [True, False, True]
     _, identical = e2e.topk_overlap(eager[:1], torch.tensor([[1, 2, 3, 0]]))  # one more valid index: not identical
     assert identical.tolist() == [False]
+
+
+def test_topk_ab_cells_parse_and_name_what_exists():
+    """``benchmarks/topk_ab.py``'s cells: order, lengths, values, keywords and module constants read as written; its
+    default cells parse; an unknown option, keyword or constant is refused before any copy runs."""
+    spec = importlib.util.spec_from_file_location("benchmarks_topk_ab", ROOT / "benchmarks" / "topk_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    cell = "64x65536:sorted:lengths=7680-8704:relu:path=radix_split:segment=512:@RADIX_SMALL_BLOCK=1024"
+    assert ab.parse_cell(cell) == dict(rows=64, width=65536, sorted=True, lengths=(7680, 8704), values="relu",
+                                       keywords={"path": "radix_split", "segment": 512},
+                                       constants={"RADIX_SMALL_BLOCK": 1024})
+    assert ab.parse_cell("8x8192:causal")["lengths"] == "causal"
+    ab.check_cells(ab.CELLS.split(","))
+    for cell, message in (("8x8192:bogus", "unknown option"), ("8x8192:segmnet=512", "no segmnet"),
+                          ("8x8192:@NO_SUCH=1", "no @NO_SUCH")):
+        with pytest.raises(SystemExit, match=message):
+            ab.check_cells([cell])

@@ -1,0 +1,163 @@
+"""A/B of ``topk_indices`` across copies of the package: CUDA-graph µs per cell, each copy in its own process,
+the copies alternated ``--rounds`` times (run-to-run spread shows as the spread of a cell's rounds).
+
+    python3 benchmarks/topk_ab.py --pkg main=dev/main_pkg --pkg new=. [--rounds 2] [--cells 64x8192,8x8192:sorted]
+
+A copy is a folder holding an ``nsa_inductor/`` package: ``.`` (the working tree) or one made from a revision here,
+``mkdir -p dev/main_pkg && git archive REV nsa_inductor | tar -x -C dev/main_pkg``, carried to the GPU machine
+(``dev/`` is git-ignored: ``carry: ["dev"]``). A cell is ``ROWSxWIDTH`` then ``:``-separated options: ``sorted``;
+``lengths=LO-HI`` (drawn in [LO, HI)) or ``causal``; values ``relu`` (the indexer's relu sums) or ``ties``;
+``NAME=VALUE`` passed to ``topk_indices`` (``path=radix_split``, ``num_warps=2``, ``segment=512``, ...);
+``@NAME=VALUE`` sets the kernel module's constant NAME first. k = 2048, random rows (the same in every copy); each
+cell's result is checked (the selected values are ``torch.topk``'s of the masked rows, in its order where sorted)
+and marked ``!WRONG`` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+K = 2048
+CELLS = ("64x8192,64x8192:sorted,64x8192:relu,8x8192,1x32768,16x16384,64x65536,64x65536:lengths=7680-8704,"
+         "8x65536:lengths=7680-8704,1x65536:lengths=7680-8704")
+
+
+def _value(text: str):
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def parse_cell(cell: str) -> dict:
+    """A cell's rows, width, order, lengths, values, ``topk_indices`` keywords and module constants."""
+    size, *options = cell.split(":")
+    rows, width = map(int, size.split("x"))
+    spec = dict(rows=rows, width=width, sorted=False, lengths=None, values="randn", keywords={}, constants={})
+    for option in options:
+        name, _, value = option.partition("=")
+        if option == "sorted":
+            spec["sorted"] = True
+        elif option == "causal":
+            spec["lengths"] = "causal"
+        elif option in ("relu", "ties"):
+            spec["values"] = option
+        elif name == "lengths":
+            spec["lengths"] = tuple(map(int, value.split("-")))
+        elif name.startswith("@") and value:
+            spec["constants"][name[1:]] = _value(value)
+        elif value:
+            spec["keywords"][name] = _value(value)
+        else:
+            raise SystemExit(f"unknown option {option!r} in cell {cell!r}")
+    return spec
+
+
+def check_cells(cells: list[str]) -> None:
+    """Every cell parses and names keywords of ``topk_indices`` and constants of its module (as the working tree's
+    package has them): a typo fails here, before any copy runs."""
+    import inspect
+
+    from nsa_inductor.lowering.topk_indices import triton as tk
+
+    parameters = inspect.signature(tk.topk_indices).parameters
+    for cell in cells:
+        spec = parse_cell(cell)
+        unknown = [k for k in spec["keywords"] if k not in parameters] + [
+            f"@{c}" for c in spec["constants"] if not hasattr(tk, c)]
+        if unknown:
+            raise SystemExit(f"cell {cell!r}: topk_indices has no {', '.join(unknown)}")
+
+
+def _inputs(spec: dict):
+    import torch
+
+    torch.manual_seed(0)
+    rows, width = spec["rows"], spec["width"]
+    logits = torch.randn(rows, width, device="cuda")
+    if spec["values"] == "relu":
+        logits = torch.relu(logits) * 3 + 0.01 * torch.randn_like(logits)
+    elif spec["values"] == "ties":
+        logits = torch.randint(0, 64, (rows, width), device="cuda").float()
+    lengths = None
+    if spec["lengths"] == "causal":
+        lengths = torch.arange(1, rows + 1, dtype=torch.int32, device="cuda")
+    elif spec["lengths"] is not None:
+        lengths = torch.randint(*spec["lengths"], (rows,), dtype=torch.int32, device="cuda")
+    return logits, lengths
+
+
+def _agrees(logits, lengths, indices, sorted_: bool) -> bool:
+    """The selected values are torch.topk's of the masked rows (as a multiset; in order where sorted)."""
+    import torch
+
+    masked = logits if lengths is None else logits.masked_fill(
+        torch.arange(logits.shape[1], device=logits.device) >= lengths[:, None], float("-inf"))
+    expected = torch.topk(masked, K, dim=-1).values
+    index = indices.long()
+    got = torch.where(index >= 0, masked.gather(1, index.clamp(min=0)), float("-inf"))
+    same = torch.equal(got.sort(dim=-1, descending=True).values, expected)
+    return same and (not sorted_ or torch.equal(got, expected))
+
+
+def worker(cells: list[str]) -> None:
+    """Times every cell with the package first on the path (this process's copy); prints one JSON line."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from timing import graph_us
+
+    from nsa_inductor.lowering.topk_indices import triton as tk
+
+    results = {}
+    for cell in cells:
+        spec = parse_cell(cell)
+        for name, value in spec["constants"].items():
+            setattr(tk, name, value)
+        logits, lengths = _inputs(spec)
+
+        def call():
+            return tk.topk_indices(logits, K, lengths, None, "neg1", spec["sorted"], **spec["keywords"])
+
+        results[cell] = (graph_us(call), _agrees(logits, lengths, call(), spec["sorted"]))
+    print("RESULT " + json.dumps({"package": tk.__file__, "cells": results}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pkg", action="append", default=[], metavar="NAME=DIR", help="a copy of the package")
+    parser.add_argument("--cells", default=CELLS, help="comma-separated cells (see the module docstring)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cells = args.cells.split(",")
+    check_cells(cells)
+    if args.worker:
+        return worker(cells)
+    if not args.pkg:
+        parser.error("give at least one --pkg NAME=DIR")
+    copies = [spec.split("=", 1) for spec in args.pkg]
+    times: dict[str, dict[str, list[str]]] = {cell: {} for cell in cells}
+    for round_ in range(args.rounds):
+        for name, folder in copies:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(folder))
+            run = subprocess.run([sys.executable, __file__, "--worker", "--cells", args.cells], env=env,
+                                 capture_output=True, text=True)
+            line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{name}: failed\n{run.stderr[-3000:]}")
+                continue
+            result = json.loads(line[len("RESULT "):])
+            if round_ == 0:
+                print(f"{name}: {result['package']}")
+            for cell, (us, agrees) in result["cells"].items():
+                times[cell].setdefault(name, []).append(f"{us:.1f}" + ("" if agrees else " !WRONG"))
+    names = [name for name, _ in copies]
+    print("| cell | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for cell, by_copy in times.items():
+        print(f"| {cell} | " + " | ".join(" / ".join(by_copy.get(name, [])) for name in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
