@@ -112,6 +112,7 @@ def worker(cells: list[str]) -> None:
     results = {}
     for cell in cells:
         spec = parse_cell(cell)
+        saved = {name: getattr(tk, name) for name in spec["constants"]}
         for name, value in spec["constants"].items():
             setattr(tk, name, value)
         logits, lengths = _inputs(spec)
@@ -120,6 +121,8 @@ def worker(cells: list[str]) -> None:
             return tk.topk_indices(logits, K, lengths, None, "neg1", spec["sorted"], **spec["keywords"])
 
         results[cell] = (graph_us(call), _agrees(logits, lengths, call(), spec["sorted"]))
+        for name, value in saved.items():  # (the next cell sees the module as it was)
+            setattr(tk, name, value)
     print("RESULT " + json.dumps({"package": tk.__file__, "cells": results}))
 
 
