@@ -8,9 +8,10 @@ A copy is a folder holding an ``nsa_inductor/`` package: ``.`` (the working tree
 (``dev/`` is git-ignored: ``carry: ["dev"]``). A cell is ``ROWSxWIDTH`` then ``:``-separated options: ``sorted``;
 ``lengths=LO-HI`` (drawn in [LO, HI)) or ``causal``; values ``relu`` (the indexer's relu sums) or ``ties``;
 ``NAME=VALUE`` passed to ``topk_indices`` (``path=radix_split``, ``num_warps=2``, ``segment=512``, ...);
-``@NAME=VALUE`` sets the kernel module's constant NAME first. k = 2048, random rows (the same in every copy); each
-cell's result is checked (the selected values are ``torch.topk``'s of the masked rows, in its order where sorted)
-and marked ``!WRONG`` otherwise.
+``@NAME=VALUE`` sets the kernel module's constant NAME for that cell (one the launcher reads, as
+``RADIX_SMALL_BLOCK``; a global a kernel reads, as ``INTERPOLATION_STEPS``, is fixed once compiled: vary it in a
+copy). k = 2048, random rows (the same in every copy); each cell's result is checked (the selected values are
+``torch.topk``'s of the masked rows, in its order where sorted) and marked ``!WRONG`` otherwise.
 """
 
 from __future__ import annotations
