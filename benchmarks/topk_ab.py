@@ -17,6 +17,7 @@ copy). k = 2048, random rows (the same in every copy); each cell's result is che
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import pathlib
@@ -56,18 +57,20 @@ def parse_cell(cell: str) -> dict:
     return spec
 
 
+def _unknown(spec: dict, tk) -> list[str]:
+    """The cell's keywords that ``tk.topk_indices`` lacks and constants (``@NAME``) its module lacks."""
+    parameters = inspect.signature(tk.topk_indices).parameters
+    return [k for k in spec["keywords"] if k not in parameters] + [
+        f"@{c}" for c in spec["constants"] if not hasattr(tk, c)]
+
+
 def check_cells(cells: list[str]) -> None:
     """Every cell parses and names keywords of ``topk_indices`` and constants of its module (as the working tree's
-    package has them): a typo fails here, before any copy runs."""
-    import inspect
-
+    package has them): a typo fails here, before any copy runs; a copy without them shows ``n/a`` for the cell."""
     from nsa_inductor.lowering.topk_indices import triton as tk
 
-    parameters = inspect.signature(tk.topk_indices).parameters
     for cell in cells:
-        spec = parse_cell(cell)
-        unknown = [k for k in spec["keywords"] if k not in parameters] + [
-            f"@{c}" for c in spec["constants"] if not hasattr(tk, c)]
+        unknown = _unknown(parse_cell(cell), tk)
         if unknown:
             raise SystemExit(f"cell {cell!r}: topk_indices has no {', '.join(unknown)}")
 
@@ -113,6 +116,9 @@ def worker(cells: list[str]) -> None:
     results = {}
     for cell in cells:
         spec = parse_cell(cell)
+        if _unknown(spec, tk):
+            results[cell] = None  # (a copy without what the cell names)
+            continue
         saved = {name: getattr(tk, name) for name in spec["constants"]}
         for name, value in spec["constants"].items():
             setattr(tk, name, value)
@@ -135,9 +141,9 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cells = args.cells.split(",")
-    check_cells(cells)
     if args.worker:
         return worker(cells)
+    check_cells(cells)
     if not args.pkg:
         parser.error("give at least one --pkg NAME=DIR")
     copies = [spec.split("=", 1) for spec in args.pkg]
@@ -154,10 +160,17 @@ def main() -> None:
             result = json.loads(line[len("RESULT "):])
             if round_ == 0:
                 print(f"{name}: {result['package']}")
-            for cell, (us, agrees) in result["cells"].items():
-                times[cell].setdefault(name, []).append(f"{us:.1f}" + ("" if agrees else " !WRONG"))
-    names = [name for name, _ in copies]
-    print("| cell | " + " | ".join(names) + " |")
+            for cell, timed in result["cells"].items():
+                us, agrees = timed or (None, True)
+                times[cell].setdefault(name, []).append(
+                    "n/a" if us is None else f"{us:.1f}" + ("" if agrees else " !WRONG"))
+        _print_table(times, [name for name, _ in copies], f"after round {round_ + 1} of {args.rounds}")
+
+
+def _print_table(times: dict[str, dict[str, list[str]]], names: list[str], title: str) -> None:
+    """The cells' µs by copy, rounds separated by ``/`` (printed after every round: a run cut short keeps its
+    table)."""
+    print(f"{title}:\n| cell | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for cell, by_copy in times.items():
         print(f"| {cell} | " + " | ".join(" / ".join(by_copy.get(name, [])) for name in names) + " |")

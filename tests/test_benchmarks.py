@@ -5,6 +5,7 @@ import importlib.util
 import json
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -115,3 +116,8 @@ def test_topk_ab_cells_parse_and_name_what_exists():
                           ("8x8192:@NO_SUCH=1", "no @NO_SUCH")):
         with pytest.raises(SystemExit, match=message):
             ab.check_cells([cell])
+    # a copy without a keyword or constant the cell names (an older revision) shows n/a for it rather than failing
+    older = types.SimpleNamespace(topk_indices=lambda logits, k, lengths, offset, pad="neg1", sorted=False: None)
+    assert ab._unknown(ab.parse_cell("8x8192:programs=4:@RADIX_SMALL_BLOCK=1024"), older) == [
+        "programs", "@RADIX_SMALL_BLOCK"]
+    assert ab._unknown(ab.parse_cell("8x8192:sorted"), older) == []

@@ -80,7 +80,7 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
                                             "ue8m0", fp8, 128**-0.5, torch.bfloat16, False, rotation),
                       {**rope, "rope_interleaved": True, "round_k": True, "ln_weight": torch.ones(128),
                        "ln_bias": torch.zeros(128), "ln_eps": 1e-6, "k_split_sum": True}))
-    for rows, width in ((64, 8192), (8, 8192), (1, 32768), (300, 8192), (200, 32768), (2048, 8192)):
+    for rows, width in ((64, 8192), (8, 8192), (1, 32768), (64, 65536), (300, 8192), (200, 32768), (2048, 8192)):
         logits = torch.zeros(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32)
         for pad, order in (("neg1", False), ("column", True)):

@@ -456,10 +456,10 @@ def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pa
        segment=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]),
        sort=st.sampled_from([None, "chunks"]), sort_chunk=st.sampled_from([4, 16]),
        merge_part=st.sampled_from([4, 64]), interpolation_steps=st.sampled_from([None, 0, 2]),
-       small_block=st.sampled_from([4, 2048]), seed=st.integers(0, 99))
+       small_block=st.sampled_from([4, 2048]), programs=st.sampled_from([None, 1, 2, 3]), seed=st.integers(0, 99))
 def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
                                                     segment, block, capacity, sort, sort_chunk, merge_part,
-                                                    interpolation_steps, small_block, seed):
+                                                    interpolation_steps, small_block, programs, seed):
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
     row in two launches, the last program of a row to arrive selecting, or per row in one, in chunks of `segment`
     columns) on the same rows: candidates held in registers (on the split path, in a smaller block where at most 4
@@ -479,7 +479,8 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
         constants["INTERPOLATION_STEPS"] = type(tk.INTERPOLATION_STEPS)(interpolation_steps)
     with mock.patch.multiple(tk, **constants):
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
-                              segment=segment, chunk=segment, capacity=capacity, sort=sort, sort_chunk=sort_chunk)
+                              segment=segment, chunk=segment, capacity=capacity, sort=sort, sort_chunk=sort_chunk,
+                              programs=programs)
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
     assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 
@@ -613,6 +614,29 @@ def test_topk_search_ends_one_key_from_the_bound(k):
                                   segment=8, chunk=8, capacity=cols)
             assert_topk_valid(logits, got, k)
             assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
+
+
+@child_only
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_topk_split_path_programs_take_several_segments(programs):
+    """The split path with fewer programs a row than segments (each taking every programs-th segment: the
+    compaction carries the columns above the boundary bin and in it from its segments and the other programs'
+    between; with lengths the histogram loops too): rows of 7 segments, lengths ending inside a program's first,
+    middle and last segment or none, k at 1, inside the boundary bin and all but one column, ties, NaN and random
+    values, the candidates' buffer holding them all or overflowing, both pads, sorted by ranks or not; the output's
+    neighbours untouched."""
+    cols, segment = 100, 16
+    tk = _kernels("topk_indices")
+    for kind in ("randn", "ties", "nan"):  # (NaN: boundary in the last bin, none above it)
+        logits = adversarial_topk_logits(4, cols, kind, programs)
+        for lengths in (None, torch.tensor([cols, 37, 90, 5], dtype=torch.int32)):
+            for k, pad, sorted_, capacity in ((1, "neg1", False, None), (20, "column", True, None),
+                                              (20, "neg1", False, 4), (99, "neg1", True, None)):
+                guarded = torch.full((6, k), 12345, dtype=torch.int32)
+                got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, out=guarded[1:-1], path="radix_split",
+                                      segment=segment, block=16, capacity=capacity, programs=programs)
+                assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
+                assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 
 
 def _rope_case(tokens: int, rope_dim: int, gen) -> tuple:

@@ -53,6 +53,12 @@ RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 1, 2, 8, 16)
 RADIX_HISTOGRAM_WARPS = 8  # the split path's histogram (BENCHMARKS.md, top-k: 8 beat 4)
+# Segments of 512 columns a split launch may have (`radix_sizes`: 8 x 8192 and 16 x 4096 faster at 512 than 1024,
+# 16 x 8192 slower; BENCHMARKS.md, top-k).
+RADIX_SHORT_SEGMENTS = 128
+# The split path's programs a launch: where rows times segments exceed this, a row's programs take several segments
+# each (`radix_programs`; at 64 x 65536 four programs a row beat 2, 8 and 16: BENCHMARKS.md, top-k).
+RADIX_LAUNCH_PROGRAMS = 256
 # The two-launch sort (sorted order of more survivors than one chunk): entries per chunk sorted in registers (512
 # beat 256 and 1024 at 1-64 rows and in a causal prefill), and per program that places them (with one program per
 # chunk the merge was a B=1 step's slowest kernel), twice as many from MERGE_MANY_ROWS rows (fewer programs where
@@ -742,21 +748,32 @@ def _take_all(src, col, length, dst, dst_keys, shift_cols, NEG1: tl.constexpr, W
 @triton.jit
 def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, k,
                             HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr, BINS: tl.constexpr,
-                            PDL: tl.constexpr = False):
-    """Program (row, s): for each radix bin, how many of segment s's columns are in that bin or above, to
-    ``hist[row, s]`` (segments past the row's length, as in an engine's max_model_len-wide rows, have no columns,
-    and a row of at most k columns takes them all: nothing is counted or read for them); program (row, 0) zeroes the
-    row's arrival count for the compaction launch."""
+                            SEVERAL_SEGMENTS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, p): for each radix bin, how many of segment s's columns are in that bin or above, to
+    ``hist[row, s]``, for s = p (with SEVERAL_SEGMENTS: s = p, p + P, ... for P programs a row); segments past the
+    row's length, as in an engine's max_model_len-wide rows, have no columns, and a row of at most k columns takes
+    them all: nothing is counted or read for them. Program (row, 0) zeroes the row's arrival count for the
+    compaction launch."""
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
-    segment = tl.program_id(1)
+    program = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
-    if (segment * SEGMENT < length) & (length > k):
-        at_least = _at_least(_digit_counts(logits + row * stride_row, segment * SEGMENT + tl.arange(0, SEGMENT),
-                                           length, BINS))
-        tl.store(hist + (row * n_segments + segment) * BINS + tl.arange(0, BINS), at_least)
-    if segment == 0:
+    if SEVERAL_SEGMENTS:
+        if length > k:
+            for segment in range(program, tl.cdiv(length, SEGMENT), tl.num_programs(1)):
+                _segment_counts(logits + row * stride_row, hist + row * n_segments * BINS, segment, length, SEGMENT,
+                                BINS)
+    elif (program * SEGMENT < length) & (length > k):
+        _segment_counts(logits + row * stride_row, hist + row * n_segments * BINS, program, length, SEGMENT, BINS)
+    if program == 0:
         tl.store(arrivals + row, 0)
+
+
+@triton.jit
+def _segment_counts(src, hist_row, segment, length, SEGMENT: tl.constexpr, BINS: tl.constexpr):
+    """Segment ``segment``'s count of columns at or above each radix bin, to its row of ``hist_row``."""
+    at_least = _at_least(_digit_counts(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, BINS))
+    tl.store(hist_row + segment * BINS + tl.arange(0, BINS), at_least)
 
 
 @triton.jit
@@ -775,21 +792,38 @@ def _row_counts(hist_row, used, before, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.c
 
 
 @triton.jit
+def _bin_counts(hist_row, first, last, b, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """(columns above bin b, columns in it) of a row's segments [first, last), from their counts at b and b + 1."""
+    above = tl.zeros((), tl.int32)
+    in_bin = tl.zeros((), tl.int32)
+    last_next = tl.where(b + 1 < BINS, last, first)  # (no bin above the last)
+    for s0 in range(first, last, SEGMENTS_BLOCK):
+        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
+        at_b = tl.load(hist_row + s * BINS + b, mask=s < last, other=0)
+        at_next = tl.load(hist_row + s * BINS + b + 1, mask=s < last_next, other=0)
+        above += tl.sum(at_next, axis=0)
+        in_bin += tl.sum(at_b - at_next, axis=0)
+    return above, in_bin
+
+
+@triton.jit
 def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out, out_keys, n_cols,
                           stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
                           SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
-                          BINS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, s): the row's boundary bin b (the bin of its k-th largest value) from the counts of the segments
-    holding its columns; segment s's columns above b go straight to the output (after those of the segments before
-    it), its columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). The row's last
-    program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top k among the
-    candidates, then pads. A row of at most k columns takes them all (``_take_all``). With WRITE_KEYS every output
-    entry's key goes to ``out_keys`` (for the rank sort)."""
+                          BINS: tl.constexpr, SEVERAL_SEGMENTS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, p) of P a row, for its segments s = p, p + P, ... (SEVERAL_SEGMENTS: P below the row's
+    segments; else one segment a program, s = p): the row's boundary bin b (the bin of its k-th largest value) from
+    the counts of the segments holding its columns; segment s's columns above b go straight to the output (after
+    those of the segments before it), its columns in b are appended to the row's candidates (columns and keys, up
+    to ``capacity``). The row's last program to arrive (no program waits on another: CUDA-graph safe) selects the
+    rest of the top k among the candidates, then pads. A row of at most k columns takes them all (``_take_all``).
+    With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
     wait_for_previous_grid(PDL)
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
-    segment = tl.program_id(1)
+    program = tl.program_id(1)
+    programs = tl.num_programs(1)
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     dst_keys = out_keys + row * k
@@ -797,22 +831,36 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
     above_total = tl.zeros((), tl.int32)
     in_bin_total = tl.zeros((), tl.int32)
-    if (segment < used) & (length <= k):  # the row's columns are its top k, each to its own slot
-        _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols, not PAD_COLUMNS,
-                  WRITE_KEYS)
-    elif segment < used:
-        col = segment * SEGMENT + tl.arange(0, SEGMENT)
+    if length <= k:  # the row's columns are its top k, each to its own slot
+        for segment in range(program, used, programs):
+            _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols,
+                      not PAD_COLUMNS, WRITE_KEYS)
+    elif program < used:
+        col = program * SEGMENT + tl.arange(0, SEGMENT)
         x = _row_values(src, col, length)  # (before the counts: the two loads overlap)
-        total, earlier = _row_counts(hist_row, used, segment, SEGMENTS_BLOCK, BINS)
+        total, earlier = _row_counts(hist_row, used, program, SEGMENTS_BLOCK, BINS)
         b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
         above_before, in_bin_before = _around_bin(earlier, b, BINS)
-        _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
-                 shift_cols, WRITE_KEYS, BINS)
+        if SEVERAL_SEGMENTS:
+            for segment in range(program, used, programs):
+                n_above, n_in_bin = _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys,
+                                             in_bin_before, capacity, shift_cols, WRITE_KEYS, BINS)
+                # the next segment's values, and the columns above b and in b before it: this segment's, then
+                # those of the other programs' segments between
+                gap_above, gap_in_bin = _bin_counts(hist_row, segment + 1, tl.minimum(segment + programs, used), b,
+                                                    SEGMENTS_BLOCK, BINS)
+                above_before += n_above + gap_above
+                in_bin_before += n_in_bin + gap_in_bin
+                col += programs * SEGMENT
+                x = _row_values(src, col, length)
+        else:
+            _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
+                     shift_cols, WRITE_KEYS, BINS)
     # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
     tl.debug_barrier()
-    if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == n_segments - 1:
+    if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == programs - 1:
         if length > k:
-            if segment >= used:  # (a program past the row's columns counted nothing above)
+            if program >= used:  # (a program past the row's columns counted nothing above)
                 total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
                 _, above_total, in_bin_total = _boundary_bin(total, take, BINS)
             _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
@@ -952,21 +1000,32 @@ def radix_capacity(n_cols: int) -> int:
 
 
 def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
-    """(columns per program of the histogram and compaction launches, candidates the final select holds in
-    registers): about 256 programs per launch, and a block for the ~1/16 of a row of similar values that one
-    quarter-octave bin may hold (random rows: ~1/32; the indexer's own logits at ctx 32768: 1/22; BENCHMARKS.md,
-    top-k)."""
+    """(columns per segment of the histogram and compaction launches, candidates the final select holds in
+    registers): about 256 segments per launch, of 1024 to 4096 columns, or of 512 where that makes at most
+    ``RADIX_SHORT_SEGMENTS`` a launch and 16 a row (a compaction program reads its row's counts of every segment);
+    and a block for the ~1/16 of a row of similar values that one quarter-octave bin may hold (random rows: ~1/32;
+    the indexer's own logits at ctx 32768: 1/22; BENCHMARKS.md, top-k)."""
     segment = min(max(1 << max(rows * n_cols // 256, 1).bit_length() - 1, 1024), 4096)
+    if n_cols <= 16 * 512 and rows * -(-n_cols // 512) <= RADIX_SHORT_SEGMENTS:
+        segment = 512
     return segment, min(max(next_power_of_2(n_cols // 16), 1024), 4096)
 
 
+def radix_programs(rows: int, segments: int) -> int:
+    """The split path's programs a row: one a segment up to ``RADIX_LAUNCH_PROGRAMS`` a launch, else about that
+    many in all, each taking every programs-th segment (a compaction program's fixed cost, reading its row's counts
+    and finding the boundary bin, paid once for several segments; BENCHMARKS.md, top-k)."""
+    return min(segments, max(RADIX_LAUNCH_PROGRAMS // rows, 1))
+
+
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None,
-                 path=None, segment=None, capacity=None, sort=None, sort_chunk=None, chunk=None):
+                 path=None, segment=None, capacity=None, sort=None, sort_chunk=None, chunk=None, programs=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
     the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path,
     ``segment``, ``capacity`` and ``chunk`` the radix paths' sizes, ``sort`` (one of ``SORTS``, on its paths) how
-    the sorted order is made, ``sort_chunk`` the chunk sort's chunk."""
+    the sorted order is made, ``sort_chunk`` the chunk sort's chunk, ``programs`` the split path's programs a row
+    (each taking every programs-th segment; default ``radix_programs``)."""
     rows, n_cols = logits.shape
     path = path or path_for(rows, n_cols, k)
     sort_chunk = sort_chunk or SORT_CHUNK
@@ -990,7 +1049,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         # the rank sort reads the selected entries and their keys from one buffer each, and writes `out`
         selected, keys = (torch.empty_like(out), torch.empty_like(out)) if sort == "ranks" else (out, None)
         _radix_topk(logits, k, lengths_arg, offset_arg, selected, keys, flags, block or default_block,
-                    segment or default_segment, capacity, num_warps)
+                    segment or default_segment, capacity, num_warps, programs)
         if sort == "ranks":
             _sort_by_ranks(selected, keys, out)
     else:
@@ -1023,10 +1082,11 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
                VECTORS=False, **flags)
 
 
-def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps):
-    """Two launches over (row, segment): a histogram of the radix digit; the columns above the boundary bin to the
-    output and those in it to the candidates, the row's last program selecting the rest among the candidates. With
-    ``out_keys`` every output entry's key is written there too."""
+def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps, programs):
+    """Two launches over (row, ``programs`` a row, each taking every programs-th segment): a histogram of the radix
+    digit; the columns above the boundary bin to the output and those in it to the candidates, the row's last
+    program selecting the rest among the candidates. With ``out_keys`` every output entry's key is written there
+    too."""
     rows, n_cols = logits.shape
     segments = -(-n_cols // segment)
     hist = torch.empty(rows, segments, RADIX_SPLIT_BINS, dtype=torch.int32, device=logits.device)
@@ -1034,14 +1094,19 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
-    launch(_radix_histogram_kernel, (rows, segments), logits, lengths, hist, arrivals, n_cols, stride, segments, k,
-           HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, BINS=RADIX_SPLIT_BINS,
-           num_warps=RADIX_HISTOGRAM_WARPS)
-    launch(_radix_compact_kernel, (rows, segments), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
+    programs = min(programs or radix_programs(rows, segments), segments)
+    # a program a segment for the histogram (short programs balance the SMs), but with lengths the row's programs:
+    # an engine's max_model_len-wide rows leave most segments without columns, and a program that starts only to
+    # exit costs as much as a short one
+    hist_programs = programs if flags["HAS_LENGTHS"] else segments
+    launch(_radix_histogram_kernel, (rows, hist_programs), logits, lengths, hist, arrivals, n_cols, stride, segments,
+           k, HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, BINS=RADIX_SPLIT_BINS,
+           SEVERAL_SEGMENTS=hist_programs < segments, num_warps=RADIX_HISTOGRAM_WARPS)
+    launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
            out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
            WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
            BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block), BINS=RADIX_SPLIT_BINS,
-           num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+           SEVERAL_SEGMENTS=programs < segments, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
 def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
