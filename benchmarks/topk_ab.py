@@ -11,12 +11,15 @@ A copy is a folder holding an ``nsa_inductor/`` package: ``.`` (the working tree
 ``@NAME=VALUE`` sets the kernel module's constant NAME for that cell (one the launcher reads, as
 ``RADIX_SMALL_BLOCK``; a global a kernel reads, as ``INTERPOLATION_STEPS``, is fixed once compiled: vary it in a
 copy). k = 2048, random rows (the same in every copy); each cell's result is checked (the selected values are
-``torch.topk``'s of the masked rows, in its order where sorted) and marked ``!WRONG`` otherwise.
+``torch.topk``'s of the masked rows, in its order where sorted) and marked ``!WRONG`` otherwise. ``--kernels``
+adds each cell's GPU µs per kernel (torch.profiler over calls outside a graph, after the timings: the time each
+kernel runs, what holds a cell's time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -106,30 +109,49 @@ def _agrees(logits, lengths, indices, sorted_: bool) -> bool:
     return same and (not sorted_ or torch.equal(got, expected))
 
 
-def worker(cells: list[str]) -> None:
-    """Times every cell with the package first on the path (this process's copy); prints one JSON line."""
+def _kernel_us(call, calls: int = 20) -> dict[str, float]:
+    """GPU µs per call of each kernel ``call`` launches (torch.profiler; our kernels are named ``*_kernel``)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.key.endswith("_kernel")}
+
+
+@contextlib.contextmanager
+def _cell_call(tk, spec: dict):
+    """The cell's call of ``tk.topk_indices`` on its inputs, with its module constants set until the block ends."""
+    saved = {name: getattr(tk, name) for name in spec["constants"]}
+    for name, value in spec["constants"].items():
+        setattr(tk, name, value)
+    logits, lengths = _inputs(spec)
+    try:
+        yield logits, lengths, lambda: tk.topk_indices(logits, K, lengths, None, "neg1", spec["sorted"],
+                                                       **spec["keywords"])
+    finally:
+        for name, value in saved.items():  # (the next cell sees the module as it was)
+            setattr(tk, name, value)
+
+
+def worker(cells: list[str], kernels: bool) -> None:
+    """Times every cell with the package first on the path (this process's copy), then with ``kernels`` profiles
+    each (after every timing, so that none runs after the profiler); prints one JSON line."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from timing import graph_us
 
     from nsa_inductor.lowering.topk_indices import triton as tk
 
-    results = {}
-    for cell in cells:
-        spec = parse_cell(cell)
-        if _unknown(spec, tk):
-            results[cell] = None  # (a copy without what the cell names)
-            continue
-        saved = {name: getattr(tk, name) for name in spec["constants"]}
-        for name, value in spec["constants"].items():
-            setattr(tk, name, value)
-        logits, lengths = _inputs(spec)
-
-        def call():
-            return tk.topk_indices(logits, K, lengths, None, "neg1", spec["sorted"], **spec["keywords"])
-
-        results[cell] = (graph_us(call), _agrees(logits, lengths, call(), spec["sorted"]))
-        for name, value in saved.items():  # (the next cell sees the module as it was)
-            setattr(tk, name, value)
+    specs = {cell: parse_cell(cell) for cell in cells}
+    runnable = [cell for cell in cells if not _unknown(specs[cell], tk)]  # (others: a copy without what they name)
+    results = {cell: None for cell in cells}
+    for cell in runnable:
+        with _cell_call(tk, specs[cell]) as (logits, lengths, call):
+            results[cell] = [graph_us(call), _agrees(logits, lengths, call(), specs[cell]["sorted"]), {}]
+    for cell in runnable if kernels else ():
+        with _cell_call(tk, specs[cell]) as (_, _, call):
+            results[cell][2] = _kernel_us(call)
     print("RESULT " + json.dumps({"package": tk.__file__, "cells": results}))
 
 
@@ -138,11 +160,12 @@ def main() -> None:
     parser.add_argument("--pkg", action="append", default=[], metavar="NAME=DIR", help="a copy of the package")
     parser.add_argument("--cells", default=CELLS, help="comma-separated cells (see the module docstring)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kernels", action="store_true", help="also GPU µs per kernel of each cell")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cells = args.cells.split(",")
     if args.worker:
-        return worker(cells)
+        return worker(cells, args.kernels)
     check_cells(cells)
     if not args.pkg:
         parser.error("give at least one --pkg NAME=DIR")
@@ -151,8 +174,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, folder in copies:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(folder))
-            run = subprocess.run([sys.executable, __file__, "--worker", "--cells", args.cells], env=env,
-                                 capture_output=True, text=True)
+            run = subprocess.run([sys.executable, __file__, "--worker", "--cells", args.cells]
+                                 + ["--kernels"] * args.kernels, env=env, capture_output=True, text=True)
             line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 print(f"{name}: failed\n{run.stderr[-3000:]}")
@@ -161,9 +184,12 @@ def main() -> None:
             if round_ == 0:
                 print(f"{name}: {result['package']}")
             for cell, timed in result["cells"].items():
-                us, agrees = timed or (None, True)
+                us, agrees, by_kernel = timed or (None, True, {})
                 times[cell].setdefault(name, []).append(
                     "n/a" if us is None else f"{us:.1f}" + ("" if agrees else " !WRONG"))
+                if by_kernel:
+                    print(f"{name} {cell} kernels: " + ", ".join(
+                        f"{kernel} {kernel_us:.1f}" for kernel, kernel_us in by_kernel.items()))
         _print_table(times, [name for name, _ in copies], f"after round {round_ + 1} of {args.rounds}")
 
 
