@@ -43,8 +43,9 @@ INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole 
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
 RADIX_CAPACITY = 16384
-# The split path's final select holds a row's candidates in a block of this many where they fit (a short row's in
-# an engine's max_model_len-wide logits) rather than in the block sized for a whole row (BENCHMARKS.md, top-k).
+# The split path's final select holds a row's candidates in a block of half the one sized for a whole row, at most
+# this many, where they fit (a short row's in an engine's max_model_len-wide logits, a random row's at 8192 or 32768
+# columns) rather than in the whole row's (BENCHMARKS.md, top-k: each count reduces the whole block).
 RADIX_SMALL_BLOCK = 2048
 # The radix path in one launch (`_radix_row_kernel`): rows from which it is used, candidates its select holds in
 # registers, warps (its chunk: `radix_row_chunk`).
@@ -1105,7 +1106,7 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
     launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
            out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
            WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
-           BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block), BINS=RADIX_SPLIT_BINS,
+           BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block // 2), BINS=RADIX_SPLIT_BINS,
            SEVERAL_SEGMENTS=programs < segments, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
 
 
