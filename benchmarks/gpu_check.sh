@@ -16,7 +16,8 @@
 # engine: the engine-fed indexer (metadata as inputs): prefill T=8192 (also without the gather_k_slots pass) and a
 # CUDA-graph decode, eager vs nsa_rocm.
 # ab: `topk_ab.py` (no GPU tests): the package copies in AB_PKGS ("name=dir,...", default "main=dev/main_pkg,tree=.";
-# make a copy with `git archive`, see topk_ab.py, and carry dev/), the cells in AB_CELLS (default: its own).
+# make a copy with `git archive`, see topk_ab.py, and carry dev/), the cells in AB_CELLS (default: its own), other
+# options in AB_ARGS (e.g. "--rounds 3 --kernels").
 # GPU_TESTS=0 skips the GPU tests of the modes that run them (they take ~330 s of the 600 s a device call may run:
 # `decode` with them does not fit one call).
 set -uo pipefail
@@ -85,7 +86,8 @@ case "$mode" in
   ab) copies=()
       IFS=, read -ra pkgs <<< "${AB_PKGS:-main=dev/main_pkg,tree=.}"
       for pkg in "${pkgs[@]}"; do copies+=(--pkg "$pkg"); done
-      python3 benchmarks/topk_ab.py "${copies[@]}" ${AB_CELLS:+--cells "$AB_CELLS"} 2>&1 | tee "$OUT/topk_ab.log" ;;
+      python3 benchmarks/topk_ab.py "${copies[@]}" ${AB_CELLS:+--cells "$AB_CELLS"} ${AB_ARGS:-} 2>&1 \
+        | tee "$OUT/topk_ab.log" ;;
   quick) python3 benchmarks/kernels.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 40 ;;
   full) python3 benchmarks/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
   tune) python3 benchmarks/kernels.py --no-torch --only paged --only ragged ${TUNE_ARGS:-} --out "$OUT/bench" \
