@@ -759,13 +759,14 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row,
     row = tl.program_id(0).to(tl.int64)
     program = tl.program_id(1)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    src = logits + row * stride_row
+    hist_row = hist + row * n_segments * BINS
     if SEVERAL_SEGMENTS:
         if length > k:
             for segment in range(program, tl.cdiv(length, SEGMENT), tl.num_programs(1)):
-                _segment_counts(logits + row * stride_row, hist + row * n_segments * BINS, segment, length, SEGMENT,
-                                BINS)
+                _segment_counts(src, hist_row, segment, length, SEGMENT, BINS)
     elif (program * SEGMENT < length) & (length > k):
-        _segment_counts(logits + row * stride_row, hist + row * n_segments * BINS, program, length, SEGMENT, BINS)
+        _segment_counts(src, hist_row, program, length, SEGMENT, BINS)
     if program == 0:
         tl.store(arrivals + row, 0)
 
@@ -1007,7 +1008,8 @@ def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
     and a block for the ~1/16 of a row of similar values that one quarter-octave bin may hold (random rows: ~1/32;
     the indexer's own logits at ctx 32768: 1/22; BENCHMARKS.md, top-k)."""
     segment = min(max(1 << max(rows * n_cols // 256, 1).bit_length() - 1, 1024), 4096)
-    if n_cols <= 16 * 512 and rows * -(-n_cols // 512) <= RADIX_SHORT_SEGMENTS:
+    short_segments = -(-n_cols // 512)  # a row's, of 512 columns
+    if short_segments <= 16 and rows * short_segments <= RADIX_SHORT_SEGMENTS:
         segment = 512
     return segment, min(max(next_power_of_2(n_cols // 16), 1024), 4096)
 
@@ -1084,10 +1086,10 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
 
 
 def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps, programs):
-    """Two launches over (row, ``programs`` a row, each taking every programs-th segment): a histogram of the radix
-    digit; the columns above the boundary bin to the output and those in it to the candidates, the row's last
-    program selecting the rest among the candidates. With ``out_keys`` every output entry's key is written there
-    too."""
+    """Two launches over (row, program): a histogram of the radix digit (a program a segment, or with lengths
+    ``programs`` a row); the columns above the boundary bin to the output and those in it to the candidates
+    (``programs`` a row, each taking every programs-th segment), the row's last program selecting the rest among the
+    candidates. With ``out_keys`` every output entry's key is written there too."""
     rows, n_cols = logits.shape
     segments = -(-n_cols // segment)
     hist = torch.empty(rows, segments, RADIX_SPLIT_BINS, dtype=torch.int32, device=logits.device)
