@@ -183,8 +183,9 @@ def test_fnuz_ops_on_this_gpu():
     assert_logits_close(torch.ops.nsa.paged_mqa_logits(*gpu_args), paged_logits64(*cpu_args))
 
 
-@pytest.mark.parametrize("rows, cols, k, with_lengths", [(64, 65536, 2048, True), (64, 8192, 2048, False),
-                                                        (1300, 1300, 1300, True), (3, 100, 0, False)])
+@pytest.mark.parametrize("rows, cols, k, with_lengths", [(64, 65536, 2048, True), (64, 65536, 2048, False),
+                                                        (64, 8192, 2048, False), (1300, 1300, 1300, True),
+                                                        (3, 100, 0, False)])
 def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
     logits = topk_logits(rows, cols, 0.05, seed=rows).to(DEV)
     gen = torch.Generator().manual_seed(1)
@@ -195,14 +196,15 @@ def test_topk_indices_is_eager_topk_as_sets(rows, cols, k, with_lengths):
     assert [sorted(r) for r in got.tolist()] == eager_topk_rows(logits, k, lengths, offset)
 
 
-@pytest.mark.parametrize("rows, cols, k", [(64, 8192, 2048), (8, 20000, 2048), (3, 3000, 2500), (2, 9000, 5000),
-                                           (2, 300, 300)])
+@pytest.mark.parametrize("rows, cols, k", [(64, 8192, 2048), (8, 20000, 2048), (20, 20000, 2048), (3, 3000, 2500),
+                                           (2, 9000, 5000), (2, 300, 300)])
 @pytest.mark.parametrize("kind", ["ties", "close", "nan", "tail", "randn"])
 @pytest.mark.parametrize("pad, sorted_", [("neg1", False), ("neg1", True), ("column", True)])
 @pytest.mark.parametrize("path", ["bisect", "radix_split", "radix_row"])
 def test_topk_indices_meets_the_contract(rows, cols, k, kind, pad, sorted_, path):
     """DeepSeek-V3.2 decode width, a streamed row (> 8192 columns), adversarial values; both pads and orders; every
-    path (the radix paths' boundary bin holds every column of the "close" rows)."""
+    path (the radix paths' boundary bin holds every column of the "close" rows; 20 rows of 20 segments: the split
+    path's bounds launch)."""
     logits = adversarial_topk_logits(rows, cols, kind, seed=cols)
     lengths = torch.randint(0, cols + 1, (rows,), generator=torch.Generator().manual_seed(k)).int()
     lengths[0] = cols
@@ -236,24 +238,25 @@ def test_aiter_topk_indices_meets_the_contract(rows, cols, k, kind, pad):
     assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad)
 
 
-@pytest.mark.parametrize("rows", [8, 1])
-def test_topk_indices_replays_in_cuda_graph_with_new_lengths(rows):
-    """The split radix path's per-row arrival counts start from zero on every replay; sorted by chunks (8 rows) and
-    by ranks (1 row)."""
-    logits = topk_logits(8, 8192, 0.0, seed=3).to(DEV)[:rows]
-    lengths = torch.full((rows,), 8192, dtype=torch.int32, device=DEV)
+@pytest.mark.parametrize("rows, width", [(8, 8192), (1, 8192), (64, 32768)])
+def test_topk_indices_replays_in_cuda_graph_with_new_lengths(rows, width):
+    """The split radix path's per-row arrival counts start from zero on every replay; sorted by chunks (8 and 64
+    rows) and by ranks (1 row); 64 rows of 32 segments run its bounds launch."""
+    logits = topk_logits(rows, width, 0.0, seed=3).to(DEV)
+    lengths = torch.full((rows,), width, dtype=torch.int32, device=DEV)
+    new_lengths = torch.tensor([5000, 1, 2047, 2048, 2049, 0, width - 1, width], dtype=torch.int32).repeat(8)[:rows]
     for sorted_ in (False, True):
         torch.ops.nsa.topk_indices(logits, 2048, lengths, None, "neg1", sorted_)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = torch.ops.nsa.topk_indices(logits, 2048, lengths, None, "neg1", sorted_)
-        lengths.copy_(torch.tensor([5000, 1, 2047, 2048, 2049, 0, 8191, 8192], dtype=torch.int32)[:rows])
-        logits.copy_(topk_logits(8, 8192, 0.1, seed=4)[:rows])
+        lengths.copy_(new_lengths)
+        logits.copy_(topk_logits(rows, width, 0.1, seed=4))
         graph.replay()
         torch.cuda.synchronize()
         assert_topk_valid(logits.cpu(), got.cpu(), 2048, lengths.cpu(), None, "neg1", sorted_)
-        lengths.fill_(8192)
+        lengths.fill_(width)
 
 
 @pytest.mark.parametrize("mode", ["split", "round"])

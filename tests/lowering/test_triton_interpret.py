@@ -456,10 +456,11 @@ def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pa
        segment=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), capacity=st.sampled_from([None, 4, 12]),
        sort=st.sampled_from([None, "chunks"]), sort_chunk=st.sampled_from([4, 16]),
        merge_part=st.sampled_from([4, 64]), interpolation_steps=st.sampled_from([None, 0, 2]),
-       small_block=st.sampled_from([4, 2048]), programs=st.sampled_from([None, 1, 2, 3]), seed=st.integers(0, 99))
+       small_block=st.sampled_from([4, 2048]), programs=st.sampled_from([None, 1, 2, 3]),
+       bounds=st.sampled_from([None, True]), seed=st.integers(0, 99))
 def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
                                                     segment, block, capacity, sort, sort_chunk, merge_part,
-                                                    interpolation_steps, small_block, programs, seed):
+                                                    interpolation_steps, small_block, programs, bounds, seed):
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
     row in two launches, the last program of a row to arrive selecting, or per row in one, in chunks of `segment`
     columns) on the same rows: candidates held in registers (on the split path, in a smaller block where at most 4
@@ -480,7 +481,7 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
     with mock.patch.multiple(tk, **constants):
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
                               segment=segment, chunk=segment, capacity=capacity, sort=sort, sort_chunk=sort_chunk,
-                              programs=programs)
+                              programs=programs, bounds=bounds)
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
     assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 
@@ -617,14 +618,15 @@ def test_topk_search_ends_one_key_from_the_bound(k):
 
 
 @child_only
-@pytest.mark.parametrize("programs", [1, 2, 3])
-def test_topk_split_path_programs_take_several_segments(programs):
-    """The split path with fewer programs a row than segments (each taking every programs-th segment: the
-    compaction carries the columns above the boundary bin and in it from its segments and the other programs'
-    between; with lengths the histogram loops too): rows of 7 segments, lengths ending inside a program's first,
-    middle and last segment or none, k at 1, inside the boundary bin and all but one column, ties, NaN and random
-    values, the candidates' buffer holding them all or overflowing, both pads, sorted by ranks or not; the output's
-    neighbours untouched."""
+@pytest.mark.parametrize("programs", [1, 2, 3, 7])
+def test_topk_split_path_bounds_launch(programs):
+    """The split path with its bounds launch (each row's boundary bin and, per segment, the columns above it and in
+    it before that segment, read by the compaction programs), with fewer compaction programs a row than segments
+    (each taking every programs-th segment; with lengths the histogram loops too) or one a segment (7): rows of 7
+    segments, lengths ending inside a program's first, middle and last segment or none, k at 1, inside the boundary
+    bin and all but one column, ties, NaN and random values, the candidates' buffer holding them all or
+    overflowing, both pads, sorted by ranks or not; the output's neighbours untouched. Fewer programs than segments
+    without the bounds launch is refused."""
     cols, segment = 100, 16
     tk = _kernels("topk_indices")
     for kind in ("randn", "ties", "nan"):  # (NaN: boundary in the last bin, none above it)
@@ -634,9 +636,13 @@ def test_topk_split_path_programs_take_several_segments(programs):
                                               (20, "neg1", False, 4), (99, "neg1", True, None)):
                 guarded = torch.full((6, k), 12345, dtype=torch.int32)
                 got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, out=guarded[1:-1], path="radix_split",
-                                      segment=segment, block=16, capacity=capacity, programs=programs)
+                                      segment=segment, block=16, capacity=capacity, programs=programs, bounds=True)
                 assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
                 assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
+    if programs < 7:
+        with pytest.raises(ValueError, match="needs bounds"):
+            tk.topk_indices(logits, 1, None, None, path="radix_split", segment=segment, block=16, programs=programs,
+                            bounds=False)
 
 
 def _rope_case(tokens: int, rope_dim: int, gen) -> tuple:

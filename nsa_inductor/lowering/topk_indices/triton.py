@@ -9,8 +9,10 @@ the row's mean and deviation, then interpolated) until the keys at or above the 
 whole row in registers, so few programs fit an SM. The radix pre-filter takes a histogram of a digit, writes the
 columns above the boundary bin at once and compacts those in it, and searches among those candidates only: in two
 launches over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its
-compaction selects), in one launch of one program per row streaming the row in chunks where rows are many (small
-programs, many per SM). No program waits on another (CUDA-graph safe).
+compaction selects; where a launch has many segments, a launch of a program per row finds each row's boundary bin
+and segments' offsets, and another selects, so that the compaction holds few registers), in one launch of one
+program per row streaming the row in chunks where rows are many (small programs, many per SM). The compactions
+hold their columns as vectors of 4 (one scan step a vector). No program waits on another (CUDA-graph safe).
 Costs on the H200: BENCHMARKS.md, top-k.
 """
 
@@ -53,7 +55,9 @@ RADIX_ROW_MIN_ROWS = 256
 RADIX_ROW_BLOCK = 512
 RADIX_ROW_WARPS = 4
 RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMARKS.md, top-k: 4 beat 1, 2, 8, 16)
+RADIX_COMPACT_WARPS = 8  # its compaction alone, after a bounds launch (BENCHMARKS.md, top-k: 8 beat 4 and 16)
 RADIX_HISTOGRAM_WARPS = 8  # the split path's histogram (BENCHMARKS.md, top-k: 8 beat 4)
+RADIX_BOUNDS_WARPS = 4  # (not tuned: ~2 µs at 64 x 65536)
 # Segments of 512 columns a split launch may have (`radix_sizes`: 8 x 8192 and 16 x 4096 faster at 512 than 1024,
 # 16 x 8192 slower; BENCHMARKS.md, top-k).
 RADIX_SHORT_SEGMENTS = 128
@@ -678,9 +682,10 @@ def _row_values(src, col, length):
 
 
 @triton.jit
-def _digit_counts(src, col, length, BINS: tl.constexpr):
-    """How many of the row's columns ``col`` (those below ``length``) fall in each radix bin."""
-    x = _row_values(src, col, length)
+def _digit_counts(src, col, length, n_cols, BINS: tl.constexpr):
+    """How many of the row's columns ``col`` (those below ``length``) fall in each radix bin. (Loaded up to the
+    row's end, ``n_cols``: whole vectors where that is a multiple of 16, as a length would not be.)"""
+    x = _row_values(src, col, n_cols)
     return tl.histogram(tl.where(col < length, _radix_digit(x, BINS), 0), BINS)
 
 
@@ -709,17 +714,17 @@ def _around_bin(at_least, b, BINS: tl.constexpr):
 
 @triton.jit
 def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
-             WRITE_KEYS: tl.constexpr, BINS: tl.constexpr):
-    """Of the row's columns ``col`` (their values ``x``, as ``_row_values`` loads them): those above boundary bin b
-    to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their keys to
+             WRITE_KEYS: tl.constexpr, BINS: tl.constexpr, VECTORS: tl.constexpr = False):
+    """Of the row's columns ``col`` (their values ``x``; those from ``length`` take no part): those above boundary bin
+    b to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their keys to
     ``dst_keys``), those in b to the candidates after ``cand_before`` (columns and keys, up to ``capacity``); returns
-    how many of each there were."""
+    how many of each there were. VECTORS: ``col`` as ``_vector_positions`` (one scan step a vector, not a column)."""
     valid = col < length
     digit = tl.where(valid, _radix_digit(x, BINS), 0)
     is_above = digit > b
     is_cand = digit == b
     key = _order_key(x).to(tl.int32, bitcast=True)
-    ranks = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), axis=0)  # two counts, one scan
+    ranks = _prefix_sum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), VECTORS)  # two counts, one scan
     above_slot = above_before + (ranks & 0xFFFF) - 1
     tl.store(dst + above_slot, col - shift_cols.to(tl.int32), mask=is_above)
     if WRITE_KEYS:
@@ -728,7 +733,7 @@ def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_key
     keep = is_cand & (cand_slot < capacity)
     tl.store(cand_cols + cand_slot, col, mask=keep)
     tl.store(cand_keys + cand_slot, key, mask=keep)
-    return tl.sum(is_above.to(tl.int32), axis=0), tl.sum(is_cand.to(tl.int32), axis=0)
+    return tl.sum(_flat(is_above.to(tl.int32)), axis=0), tl.sum(_flat(is_cand.to(tl.int32)), axis=0)
 
 
 @triton.jit
@@ -764,17 +769,17 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row,
     if SEVERAL_SEGMENTS:
         if length > k:
             for segment in range(program, tl.cdiv(length, SEGMENT), tl.num_programs(1)):
-                _segment_counts(src, hist_row, segment, length, SEGMENT, BINS)
+                _segment_counts(src, hist_row, segment, length, n_cols, SEGMENT, BINS)
     elif (program * SEGMENT < length) & (length > k):
-        _segment_counts(src, hist_row, program, length, SEGMENT, BINS)
+        _segment_counts(src, hist_row, program, length, n_cols, SEGMENT, BINS)
     if program == 0:
         tl.store(arrivals + row, 0)
 
 
 @triton.jit
-def _segment_counts(src, hist_row, segment, length, SEGMENT: tl.constexpr, BINS: tl.constexpr):
+def _segment_counts(src, hist_row, segment, length, n_cols, SEGMENT: tl.constexpr, BINS: tl.constexpr):
     """Segment ``segment``'s count of columns at or above each radix bin, to its row of ``hist_row``."""
-    at_least = _at_least(_digit_counts(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, BINS))
+    at_least = _at_least(_digit_counts(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, n_cols, BINS))
     tl.store(hist_row + segment * BINS + tl.arange(0, BINS), at_least)
 
 
@@ -794,33 +799,55 @@ def _row_counts(hist_row, used, before, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.c
 
 
 @triton.jit
-def _bin_counts(hist_row, first, last, b, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """(columns above bin b, columns in it) of a row's segments [first, last), from their counts at b and b + 1."""
-    above = tl.zeros((), tl.int32)
-    in_bin = tl.zeros((), tl.int32)
-    last_next = tl.where(b + 1 < BINS, last, first)  # (no bin above the last)
-    for s0 in range(first, last, SEGMENTS_BLOCK):
-        s = s0 + tl.arange(0, SEGMENTS_BLOCK)
-        at_b = tl.load(hist_row + s * BINS + b, mask=s < last, other=0)
-        at_next = tl.load(hist_row + s * BINS + b + 1, mask=s < last_next, other=0)
-        above += tl.sum(at_next, axis=0)
-        in_bin += tl.sum(at_b - at_next, axis=0)
-    return above, in_bin
+def _radix_bounds_kernel(lengths, hist, row_bins, before, n_cols, n_segments, k, HAS_LENGTHS: tl.constexpr,
+                         SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program per row, between the histogram and the compaction where a row's segments are many: its boundary bin b,
+    the columns above b and in it to ``row_bins[row]``, and per segment those above b and in b in the segments
+    before it to ``before[row, s]``; so each compaction program reads three counts and two, not its row's counts of
+    every segment (at 64 x 65536, 64 KB a program). Nothing for a row of at most k columns (it takes them all)."""
+    wait_for_previous_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    if length > k:
+        used = tl.cdiv(length, SEGMENT)
+        hist_row = hist + row * n_segments * BINS
+        total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
+        b, above, in_bin = _boundary_bin(total, tl.minimum(k, length), BINS)
+        three = tl.arange(0, 4)
+        tl.store(row_bins + row * 3 + three, tl.where(three == 0, b, tl.where(three == 1, above, in_bin)),
+                 mask=three < 3)
+        above_seen = tl.zeros((), tl.int32)
+        in_bin_seen = tl.zeros((), tl.int32)
+        used_next = tl.where(b + 1 < BINS, used, 0)  # (no bin above the last)
+        for s0 in range(0, used, SEGMENTS_BLOCK):
+            s = s0 + tl.arange(0, SEGMENTS_BLOCK)
+            at_b = tl.load(hist_row + s * BINS + b, mask=s < used, other=0)
+            above_s = tl.load(hist_row + s * BINS + b + 1, mask=s < used_next, other=0)
+            in_bin_s = at_b - above_s
+            dst = before + (row * n_segments + s) * 2
+            tl.store(dst, above_seen + tl.cumsum(above_s, axis=0) - above_s, mask=s < used)
+            tl.store(dst + 1, in_bin_seen + tl.cumsum(in_bin_s, axis=0) - in_bin_s, mask=s < used)
+            above_seen += tl.sum(above_s, axis=0)
+            in_bin_seen += tl.sum(in_bin_s, axis=0)
 
 
 @triton.jit
-def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out, out_keys, n_cols,
-                          stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                          PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr, SEGMENT: tl.constexpr,
-                          SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
-                          BINS: tl.constexpr, SEVERAL_SEGMENTS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, p) of P a row, for its segments s = p, p + P, ... (SEVERAL_SEGMENTS: P below the row's
-    segments; else one segment a program, s = p): the row's boundary bin b (the bin of its k-th largest value) from
-    the counts of the segments holding its columns; segment s's columns above b go straight to the output (after
-    those of the segments before it), its columns in b are appended to the row's candidates (columns and keys, up
-    to ``capacity``). The row's last program to arrive (no program waits on another: CUDA-graph safe) selects the
-    rest of the top k among the candidates, then pads. A row of at most k columns takes them all (``_take_all``).
-    With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the rank sort)."""
+def _radix_compact_kernel(logits, lengths, offset, hist, row_bins, before, arrivals, cand_cols, cand_keys, out,
+                          out_keys, n_cols, stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr,
+                          HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr,
+                          SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                          SMALL_BLOCK: tl.constexpr, BINS: tl.constexpr, BOUNDS: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Program (row, p) of P a row, for its segments s = p, p + P, ...: segment s's columns above the row's boundary
+    bin b (the bin of its k-th largest value) go straight to the output (after those of the segments before it), its
+    columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). A row of at most k
+    columns takes them all (``_take_all``). With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the
+    rank sort). With BOUNDS, b and the counts before s come from ``_radix_bounds_kernel``'s launch, and
+    ``_radix_select_kernel``'s selects the rest (this kernel then holds no candidates in registers: few registers,
+    many programs an SM). Else (one segment a program) each program finds them in the counts of its row's segments,
+    and the row's last program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top
+    k among the candidates, then pads."""
     wait_for_previous_grid(PDL)
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
@@ -829,45 +856,59 @@ def _radix_compact_kernel(logits, lengths, offset, hist, arrivals, cand_cols, ca
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     dst_keys = out_keys + row * k
-    hist_row = hist + row * n_segments * BINS
     used = tl.cdiv(length, SEGMENT)  # segments holding the row's columns: the others read and move nothing
-    above_total = tl.zeros((), tl.int32)
-    in_bin_total = tl.zeros((), tl.int32)
     if length <= k:  # the row's columns are its top k, each to its own slot
         for segment in range(program, used, programs):
             _take_all(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, dst, dst_keys, shift_cols,
                       not PAD_COLUMNS, WRITE_KEYS)
-    elif program < used:
-        col = program * SEGMENT + tl.arange(0, SEGMENT)
-        x = _row_values(src, col, length)  # (before the counts: the two loads overlap)
-        total, earlier = _row_counts(hist_row, used, program, SEGMENTS_BLOCK, BINS)
-        b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
-        above_before, in_bin_before = _around_bin(earlier, b, BINS)
-        if SEVERAL_SEGMENTS:
-            for segment in range(program, used, programs):
-                n_above, n_in_bin = _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys,
-                                             in_bin_before, capacity, shift_cols, WRITE_KEYS, BINS)
-                # the next segment's values, and the columns above b and in b before it: this segment's, then
-                # those of the other programs' segments between
-                gap_above, gap_in_bin = _bin_counts(hist_row, segment + 1, tl.minimum(segment + programs, used), b,
-                                                    SEGMENTS_BLOCK, BINS)
-                above_before += n_above + gap_above
-                in_bin_before += n_in_bin + gap_in_bin
-                col += programs * SEGMENT
-                x = _row_values(src, col, length)
-        else:
-            _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
-                     shift_cols, WRITE_KEYS, BINS)
-    # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
-    tl.debug_barrier()
-    if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == programs - 1:
+    if BOUNDS:
         if length > k:
-            if program >= used:  # (a program past the row's columns counted nothing above)
-                total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
-                _, above_total, in_bin_total = _boundary_bin(total, take, BINS)
-            _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
-                               shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
-        _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
+            b = tl.load(row_bins + row * 3)
+            for segment in range(program, used, programs):
+                col = segment * SEGMENT + _vector_positions(SEGMENT)
+                counts_before = before + (row * n_segments + segment) * 2
+                _compact(_row_values(src, col, n_cols), col, length, b, dst, dst_keys, tl.load(counts_before),
+                         row_cols, row_keys, tl.load(counts_before + 1), capacity, shift_cols, WRITE_KEYS, BINS, True)
+    else:
+        hist_row = hist + row * n_segments * BINS
+        above_total = tl.zeros((), tl.int32)
+        in_bin_total = tl.zeros((), tl.int32)
+        if (length > k) & (program < used):
+            col = program * SEGMENT + _vector_positions(SEGMENT)
+            x = _row_values(src, col, n_cols)  # (before the counts: the two loads overlap)
+            total, earlier = _row_counts(hist_row, used, program, SEGMENTS_BLOCK, BINS)
+            b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
+            above_before, in_bin_before = _around_bin(earlier, b, BINS)
+            _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
+                     shift_cols, WRITE_KEYS, BINS, True)
+        # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            if length > k:
+                if program >= used:  # (a program past the row's columns counted nothing above)
+                    total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
+                    _, above_total, in_bin_total = _boundary_bin(total, take, BINS)
+                _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
+                                   shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
+            _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
+
+
+@triton.jit
+def _radix_select_kernel(logits, lengths, offset, row_bins, cand_cols, cand_keys, out, out_keys, n_cols, stride_row, k,
+                         capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
+                         WRITE_KEYS: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program per row, after the compaction where the split path has its bounds launch: the rest of the row's top k
+    among its boundary bin's candidates, then the padding."""
+    wait_for_previous_grid(PDL)
+    row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
+                                                         stride_row, k, HAS_LENGTHS, HAS_OFFSET)
+    dst_keys = out_keys + row * k
+    if length > k:
+        _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(row_bins + row * 3 + 2),
+                           tl.load(row_bins + row * 3 + 1), take, dst, dst_keys, length, shift_cols, capacity,
+                           PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
+    _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
 
 
 @triton.jit
@@ -922,13 +963,15 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
     else:
         counts = tl.zeros((BINS,), tl.int32)
         for start in range(0, length, CHUNK):
-            counts += _digit_counts(src, start + pos, length, BINS)
+            counts += _digit_counts(src, start + pos, length, n_cols, BINS)
         b, above, n_cand = _boundary_bin(_at_least(counts), take, BINS)
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
+        vector_pos = _vector_positions(CHUNK)
         for start in range(0, length, CHUNK):
-            n_above, n_in_bin = _compact(_row_values(src, start + pos, length), start + pos, length, b, dst, dst,
-                                         above_seen, row_cols, row_keys, cand_seen, capacity, shift_cols, False, BINS)
+            col = start + vector_pos
+            n_above, n_in_bin = _compact(_row_values(src, col, n_cols), col, length, b, dst, dst, above_seen, row_cols,
+                                         row_keys, cand_seen, capacity, shift_cols, False, BINS, True)
             above_seen += n_above
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
@@ -1014,21 +1057,30 @@ def radix_sizes(rows: int, n_cols: int) -> tuple[int, int]:
     return segment, min(max(next_power_of_2(n_cols // 16), 1024), 4096)
 
 
-def radix_programs(rows: int, segments: int) -> int:
-    """The split path's programs a row: one a segment up to ``RADIX_LAUNCH_PROGRAMS`` a launch, else about that
-    many in all, each taking every programs-th segment (a compaction program's fixed cost, reading its row's counts
-    and finding the boundary bin, paid once for several segments; BENCHMARKS.md, top-k)."""
-    return min(segments, max(RADIX_LAUNCH_PROGRAMS // rows, 1))
+def radix_bounds(rows: int, segments: int) -> bool:
+    """Whether the split path runs ``_radix_bounds_kernel`` between its histogram and its compaction: where a launch
+    has more than ``RADIX_LAUNCH_PROGRAMS`` segments, so that its compaction programs do not each read their row's
+    counts of every segment (BENCHMARKS.md, top-k)."""
+    return rows * segments > RADIX_LAUNCH_PROGRAMS
+
+
+def radix_programs(rows: int, segments: int, ragged: bool, bounds: bool) -> int:
+    """The split path's compaction programs a row: one a segment, but with lengths (``ragged``) and bounds about
+    ``RADIX_LAUNCH_PROGRAMS`` in all, each taking every programs-th segment (an engine's max_model_len-wide rows
+    leave most segments without columns, and a program that starts only to exit costs as much as a short one)."""
+    return min(segments, max(RADIX_LAUNCH_PROGRAMS // rows, 1)) if ragged and bounds else segments
 
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None,
-                 path=None, segment=None, capacity=None, sort=None, sort_chunk=None, chunk=None, programs=None):
+                 path=None, segment=None, capacity=None, sort=None, sort_chunk=None, chunk=None, programs=None,
+                 bounds=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
     the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path,
     ``segment``, ``capacity`` and ``chunk`` the radix paths' sizes, ``sort`` (one of ``SORTS``, on its paths) how
-    the sorted order is made, ``sort_chunk`` the chunk sort's chunk, ``programs`` the split path's programs a row
-    (each taking every programs-th segment; default ``radix_programs``)."""
+    the sorted order is made, ``sort_chunk`` the chunk sort's chunk, ``programs`` the split path's compaction
+    programs a row (each taking every programs-th segment; default ``radix_programs``; fewer than the segments need
+    ``bounds``), ``bounds`` whether its bounds launch runs (default ``radix_bounds``)."""
     rows, n_cols = logits.shape
     path = path or path_for(rows, n_cols, k)
     sort_chunk = sort_chunk or SORT_CHUNK
@@ -1052,7 +1104,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         # the rank sort reads the selected entries and their keys from one buffer each, and writes `out`
         selected, keys = (torch.empty_like(out), torch.empty_like(out)) if sort == "ranks" else (out, None)
         _radix_topk(logits, k, lengths_arg, offset_arg, selected, keys, flags, block or default_block,
-                    segment or default_segment, capacity, num_warps, programs)
+                    segment or default_segment, capacity, num_warps, programs, bounds)
         if sort == "ranks":
             _sort_by_ranks(selected, keys, out)
     else:
@@ -1085,31 +1137,49 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
                VECTORS=False, **flags)
 
 
-def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps, programs):
-    """Two launches over (row, program): a histogram of the radix digit (a program a segment, or with lengths
-    ``programs`` a row); the columns above the boundary bin to the output and those in it to the candidates
-    (``programs`` a row, each taking every programs-th segment), the row's last program selecting the rest among the
-    candidates. With ``out_keys`` every output entry's key is written there too."""
+def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps, programs,
+                bounds):
+    """Two launches over (row, program), or four with ``bounds``: a histogram of the radix digit (a program a
+    segment, or with lengths ``programs`` a row); with ``bounds`` each row's boundary bin and its segments' counts
+    before them (a program a row); the columns above the boundary bin to the output and those in it to the
+    candidates (``programs`` a row, each taking every programs-th segment); the rest selected among the candidates,
+    by the row's last compaction program to arrive, or with ``bounds`` by a launch of a program a row. With
+    ``out_keys`` every output entry's key is written there too."""
     rows, n_cols = logits.shape
     segments = -(-n_cols // segment)
+    ragged = flags["HAS_LENGTHS"]
+    if bounds is None:
+        bounds = radix_bounds(rows, segments) or (programs or segments) < segments
+    programs = min(programs or radix_programs(rows, segments, ragged, bounds), segments)
+    if programs < segments and not bounds:
+        raise ValueError(f"programs={programs} of {segments} segments a row: needs bounds")
     hist = torch.empty(rows, segments, RADIX_SPLIT_BINS, dtype=torch.int32, device=logits.device)
     arrivals = torch.empty(rows, dtype=torch.int32, device=logits.device)  # zeroed by the histogram launch
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
-    programs = min(programs or radix_programs(rows, segments), segments)
-    # a program a segment for the histogram (short programs balance the SMs), but with lengths the row's programs:
-    # an engine's max_model_len-wide rows leave most segments without columns, and a program that starts only to
-    # exit costs as much as a short one
-    hist_programs = programs if flags["HAS_LENGTHS"] else segments
+    segments_block = min(16, next_power_of_2(segments))
+    hist_programs = programs if ragged else segments
     launch(_radix_histogram_kernel, (rows, hist_programs), logits, lengths, hist, arrivals, n_cols, stride, segments,
-           k, HAS_LENGTHS=flags["HAS_LENGTHS"], SEGMENT=segment, BINS=RADIX_SPLIT_BINS,
-           SEVERAL_SEGMENTS=hist_programs < segments, num_warps=RADIX_HISTOGRAM_WARPS)
-    launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, arrivals, cand_cols, cand_keys, out,
-           out if out_keys is None else out_keys, n_cols, stride, k, segments, capacity,
-           WRITE_KEYS=out_keys is not None, SEGMENT=segment, SEGMENTS_BLOCK=min(16, next_power_of_2(segments)),
-           BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block // 2), BINS=RADIX_SPLIT_BINS,
-           SEVERAL_SEGMENTS=programs < segments, num_warps=num_warps or RADIX_SELECT_WARPS, **flags)
+           k, HAS_LENGTHS=ragged, SEGMENT=segment, BINS=RADIX_SPLIT_BINS, SEVERAL_SEGMENTS=hist_programs < segments,
+           num_warps=RADIX_HISTOGRAM_WARPS)
+    row_bins = before = hist  # (not read without bounds)
+    if bounds:
+        row_bins = torch.empty(rows, 3, dtype=torch.int32, device=logits.device)
+        before = torch.empty(rows, segments, 2, dtype=torch.int32, device=logits.device)
+        launch(_radix_bounds_kernel, (rows,), lengths, hist, row_bins, before, n_cols, segments, k,
+               HAS_LENGTHS=ragged, SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=RADIX_SPLIT_BINS,
+               num_warps=RADIX_BOUNDS_WARPS)
+    out_keys = out if out_keys is None else out_keys
+    select_sizes = dict(BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block // 2))
+    launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, row_bins, before, arrivals,
+           cand_cols, cand_keys, out, out_keys, n_cols, stride, k, segments, capacity, WRITE_KEYS=out_keys is not out,
+           SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=RADIX_SPLIT_BINS, BOUNDS=bounds,
+           num_warps=num_warps or (RADIX_COMPACT_WARPS if bounds else RADIX_SELECT_WARPS), **select_sizes, **flags)
+    if bounds:
+        launch(_radix_select_kernel, (rows,), logits, lengths, offset, row_bins, cand_cols, cand_keys, out, out_keys,
+               n_cols, stride, k, capacity, WRITE_KEYS=out_keys is not out, num_warps=RADIX_SELECT_WARPS,
+               **select_sizes, **flags)
 
 
 def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capacity, num_warps):
@@ -1118,7 +1188,7 @@ def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capaci
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     launch(_radix_row_kernel, (rows,), logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
-           capacity, CHUNK=min(chunk, next_power_of_2(n_cols)), BLOCK=block, BINS=RADIX_ROW_BINS,
+           capacity, CHUNK=max(min(chunk, next_power_of_2(n_cols)), 4), BLOCK=block, BINS=RADIX_ROW_BINS,
            num_warps=num_warps or RADIX_ROW_WARPS, **flags)
 
 
