@@ -33,6 +33,9 @@ CELLS = ("64x8192,64x8192:sorted,64x8192:relu,8x8192,1x32768,16x16384,64x65536,6
 
 
 def _value(text: str):
+    """A cell option's value: an int, a bool (``True``/``False``, as ``bounds=True``), else the text."""
+    if text in ("True", "False"):
+        return text == "True"
     return int(text) if text.lstrip("-").isdigit() else text
 
 

@@ -101,8 +101,8 @@ def test_topk_overlap_counts_sets_not_order(e2e):
 
 
 def test_topk_ab_cells_parse_and_name_what_exists():
-    """``benchmarks/topk_ab.py``'s cells: order, lengths, values, keywords and module constants read as written; its
-    default cells parse; an unknown option, keyword or constant is refused before any copy runs."""
+    """``benchmarks/topk_ab.py``'s cells: order, lengths, values, keywords (ints, bools) and module constants read as
+    written; its default cells parse; an unknown option, keyword or constant is refused before any copy runs."""
     spec = importlib.util.spec_from_file_location("benchmarks_topk_ab", ROOT / "benchmarks" / "topk_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
@@ -111,6 +111,7 @@ def test_topk_ab_cells_parse_and_name_what_exists():
                                        keywords={"path": "radix_split", "segment": 512},
                                        constants={"RADIX_SMALL_BLOCK": 1024})
     assert ab.parse_cell("8x8192:causal")["lengths"] == "causal"
+    assert ab.parse_cell("8x8192:bounds=True:programs=-1")["keywords"] == {"bounds": True, "programs": -1}
     ab.check_cells(ab.CELLS.split(","))
     for cell, message in (("8x8192:bogus", "unknown option"), ("8x8192:segmnet=512", "no segmnet"),
                           ("8x8192:@NO_SUCH=1", "no @NO_SUCH")):
