@@ -618,16 +618,17 @@ def test_topk_search_ends_one_key_from_the_bound(k):
 
 
 @child_only
-@pytest.mark.parametrize("programs", [1, 2, 3, 7])
-def test_topk_split_path_bounds_launch(programs):
+@pytest.mark.parametrize("programs, segment", [(1, 16), (2, 16), (3, 16), (7, 16), (25, 4), (3, 4)])
+def test_topk_split_path_bounds_launch(programs, segment):
     """The split path with its bounds launch (each row's boundary bin and, per segment, the columns above it and in
     it before that segment, read by the compaction programs), with fewer compaction programs a row than segments
-    (each taking every programs-th segment; with lengths the histogram loops too) or one a segment (7): rows of 7
-    segments, lengths ending inside a program's first, middle and last segment or none, k at 1, inside the boundary
-    bin and all but one column, ties, NaN and random values, the candidates' buffer holding them all or
-    overflowing, both pads, sorted by ranks or not; the output's neighbours untouched. Fewer programs than segments
-    without the bounds launch is refused."""
-    cols, segment = 100, 16
+    (each taking every programs-th segment; with lengths the histogram loops too) or one a segment: rows of 7
+    segments, or of 25 (more than one block of segments' counts: the offsets carried across blocks), lengths ending
+    inside a program's first, middle and last segment or none, k at 1, inside the boundary bin and all but one
+    column, ties, NaN and random values, the candidates' buffer holding them all or overflowing, both pads, sorted by
+    ranks or not; the output's neighbours untouched. Fewer programs than segments without the bounds launch is
+    refused."""
+    cols = 100
     tk = _kernels("topk_indices")
     for kind in ("randn", "ties", "nan"):  # (NaN: boundary in the last bin, none above it)
         logits = adversarial_topk_logits(4, cols, kind, programs)
@@ -639,7 +640,7 @@ def test_topk_split_path_bounds_launch(programs):
                                       segment=segment, block=16, capacity=capacity, programs=programs, bounds=True)
                 assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
                 assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
-    if programs < 7:
+    if programs < -(-cols // segment):
         with pytest.raises(ValueError, match="needs bounds"):
             tk.topk_indices(logits, 1, None, None, path="radix_split", segment=segment, block=16, programs=programs,
                             bounds=False)
