@@ -11,9 +11,9 @@ A copy is a folder holding an ``nsa_inductor/`` package: ``.`` (the working tree
 ``@NAME=VALUE`` sets the kernel module's constant NAME for that cell (one the launcher reads, as
 ``RADIX_SMALL_BLOCK``; a global a kernel reads, as ``INTERPOLATION_STEPS``, is fixed once compiled: vary it in a
 copy). k = 2048, random rows (the same in every copy); each cell's result is checked (the selected values are
-``torch.topk``'s of the masked rows, in its order where sorted) and marked ``!WRONG`` otherwise. ``--kernels``
-adds each cell's GPU µs per kernel (torch.profiler over calls outside a graph, after the timings: the time each
-kernel runs, what holds a cell's time).
+``torch.topk``'s of the masked rows, in its order where sorted) and marked ``!WRONG`` otherwise; a cell whose call
+raises shows ``failed`` (the error printed once) and the others run. ``--kernels`` adds each cell's GPU µs per kernel
+(torch.profiler over calls outside a graph, after the timings: the time each kernel runs, what holds a cell's time).
 """
 
 from __future__ import annotations
@@ -149,13 +149,17 @@ def worker(cells: list[str], kernels: bool) -> None:
     specs = {cell: parse_cell(cell) for cell in cells}
     runnable = [cell for cell in cells if not _unknown(specs[cell], tk)]  # (others: a copy without what they name)
     results = {cell: None for cell in cells}
+    failed = {}
     for cell in runnable:
-        with _cell_call(tk, specs[cell]) as (logits, lengths, call):
-            results[cell] = [graph_us(call), _agrees(logits, lengths, call(), specs[cell]["sorted"]), {}]
-    for cell in runnable if kernels else ():
+        try:
+            with _cell_call(tk, specs[cell]) as (logits, lengths, call):
+                results[cell] = [graph_us(call), _agrees(logits, lengths, call(), specs[cell]["sorted"]), {}]
+        except Exception as error:  # (one cell's error, as a bad keyword value, leaves the others their timings)
+            failed[cell] = f"{type(error).__name__}: {error}"[:300]
+    for cell in [cell for cell in runnable if cell not in failed] if kernels else ():
         with _cell_call(tk, specs[cell]) as (_, _, call):
             results[cell][2] = _kernel_us(call)
-    print("RESULT " + json.dumps({"package": tk.__file__, "cells": results}))
+    print("RESULT " + json.dumps({"package": tk.__file__, "cells": results, "failed": failed}))
 
 
 def main() -> None:
@@ -186,10 +190,12 @@ def main() -> None:
             result = json.loads(line[len("RESULT "):])
             if round_ == 0:
                 print(f"{name}: {result['package']}")
+                for cell, error in result["failed"].items():
+                    print(f"{name} {cell} failed: {error}")
             for cell, timed in result["cells"].items():
                 us, agrees, by_kernel = timed or (None, True, {})
-                times[cell].setdefault(name, []).append(
-                    "n/a" if us is None else f"{us:.1f}" + ("" if agrees else " !WRONG"))
+                shown = "failed" if cell in result["failed"] else "n/a" if us is None else f"{us:.1f}"
+                times[cell].setdefault(name, []).append(shown + ("" if agrees else " !WRONG"))
                 if by_kernel:
                     print(f"{name} {cell} kernels: " + ", ".join(
                         f"{kernel} {kernel_us:.1f}" for kernel, kernel_us in by_kernel.items()))

@@ -1,6 +1,7 @@
 """``benchmarks/end_to_end.py --sweep`` at the CPU sizes: every row and agreement column is there, the grid
 selection and the top-k overlap measure are right. (Timings on a CPU mean nothing; none are asserted.)"""
 
+import contextlib
 import importlib.util
 import json
 import pathlib
@@ -98,6 +99,30 @@ def test_topk_overlap_counts_sets_not_order(e2e):
     assert identical.tolist() == [True, False, True]
     _, identical = e2e.topk_overlap(eager[:1], torch.tensor([[1, 2, 3, 0]]))  # one more valid index: not identical
     assert identical.tolist() == [False]
+
+
+def test_topk_ab_worker_times_the_other_cells_when_one_fails(capsys, monkeypatch):
+    """A cell whose call raises (a keyword value the launcher refuses) is reported failed with its error; the other
+    cells keep their timings (one bad cell once cost a whole GPU call's table)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_topk_ab", ROOT / "benchmarks" / "topk_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+
+    @contextlib.contextmanager
+    def cell_call(tk, spec):
+        def call():
+            if spec["keywords"].get("segment") == 3:
+                raise ValueError("bad segment")
+        yield None, None, call
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the worker puts benchmarks/ first)
+    monkeypatch.setitem(sys.modules, "timing", types.SimpleNamespace(graph_us=lambda call: call() or 5.0))
+    monkeypatch.setattr(ab, "_cell_call", cell_call)
+    monkeypatch.setattr(ab, "_agrees", lambda *args: True)
+    ab.worker(["8x8192", "8x8192:segment=3", "8x8192:sorted"], kernels=False)
+    result = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
+    assert result["cells"] == {"8x8192": [5.0, True, {}], "8x8192:segment=3": None, "8x8192:sorted": [5.0, True, {}]}
+    assert result["failed"] == {"8x8192:segment=3": "ValueError: bad segment"}
 
 
 def test_topk_ab_cells_parse_and_name_what_exists():
