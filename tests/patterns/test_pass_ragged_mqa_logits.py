@@ -9,7 +9,7 @@ import torch
 
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.workload import prefill_batch
-from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compiled, other
+from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS, batches, compile_indexer, compiled, other
 from helpers.pass_helpers import assert_matches_eager, count_ops, graph_dirs, near_miss_reasons, pass_entry, pass_graphs
 
 NAME = "ragged_mqa_logits"
@@ -40,13 +40,20 @@ def test_fires_on_reference_prefill(config_name, layout_name):
 
 
 def test_dynamic_token_count():
-    """Several T through one compiled model: the recompiled graph has a symbolic T and still fires."""
-    eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
+    """Several T through one fresh compile: the first graph has a static T, the recompiled one a symbolic T, and both
+    fire. (A fresh Dynamo and model: Dynamo keeps its automatic-dynamic state per code object, so another test's
+    compile of ``Indexer.prefill`` at two T on this worker, as the sweep's, would make the first graph symbolic.)"""
+    torch._dynamo.reset()
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    model = Indexer(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-dynamic-prefill-"))
+    compiled_fn = compile_indexer(model.prefill, {"nsa.layout": "paged", "nsa.page_size": layout.page_size,
+                                                  "nsa.dump_dir": str(dump_dir)})
     for lens, pad, seed in (([9, 17, 1], 3, 3), ([5, 20], 0, 4), ([33, 2, 0, 7], 1, 5)):
         batch = prefill_batch(config, layout, lens, padding_tokens=pad, seed=seed,
                               cache_pages=CACHE_SLOTS // layout.page_size)
-        assert_matches_eager(eager_fn, compiled_fn, batch)
+        assert_matches_eager(model.prefill, compiled_fn, batch)
     assert len(graph_dirs(dump_dir)) >= 2
     assert_fired(dump_dir)
 
