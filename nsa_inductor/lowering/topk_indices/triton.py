@@ -61,8 +61,9 @@ RADIX_BOUNDS_WARPS = 4  # (not tuned: ~2 µs at 64 x 65536)
 # Segments of 512 columns a split launch may have (`radix_sizes`: 8 x 8192 and 16 x 4096 faster at 512 than 1024,
 # 16 x 8192 slower; BENCHMARKS.md, top-k).
 RADIX_SHORT_SEGMENTS = 128
-# The split path's programs a launch: where rows times segments exceed this, a row's programs take several segments
-# each (`radix_programs`; at 64 x 65536 four programs a row beat 2, 8 and 16: BENCHMARKS.md, top-k).
+# The split path's segments a launch beyond which it runs its bounds and select launches (`radix_bounds`), and with
+# lengths about as many compaction programs a launch, each taking several segments (`radix_programs`; BENCHMARKS.md,
+# top-k).
 RADIX_LAUNCH_PROGRAMS = 256
 # The two-launch sort (sorted order of more survivors than one chunk): entries per chunk sorted in registers (512
 # beat 256 and 1024 at 1-64 rows and in a causal prefill), and per program that places them (with one program per
@@ -804,8 +805,8 @@ def _radix_bounds_kernel(lengths, hist, row_bins, before, n_cols, n_segments, k,
                          PDL: tl.constexpr = False):
     """Program per row, between the histogram and the compaction where a row's segments are many: its boundary bin b,
     the columns above b and in it to ``row_bins[row]``, and per segment those above b and in b in the segments
-    before it to ``before[row, s]``; so each compaction program reads three counts and two, not its row's counts of
-    every segment (at 64 x 65536, 64 KB a program). Nothing for a row of at most k columns (it takes them all)."""
+    before it to ``before[row, s]``; so a compaction program reads b and two counts a segment, not its row's counts
+    of every segment (at 64 x 65536, 64 KB a program). Nothing for a row of at most k columns (it takes them all)."""
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
