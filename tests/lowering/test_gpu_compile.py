@@ -85,6 +85,7 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
         lengths = torch.full((rows,), width, dtype=torch.int32)
         for pad, order in (("neg1", False), ("column", True)):
             calls.append(("topk_indices", (logits, 2048, lengths, None, pad, order), {}))
+    calls.append(("topk_indices", (torch.zeros(64, 65536), 2048, None, None, "neg1", False), {}))  # (binned by window)
     tokens = 4096
     for write_masked in (True, False):
         calls.append(("mqa_logits", (torch.zeros(tokens, 64, 128, dtype=fp8), torch.zeros(tokens, 128, dtype=fp8),

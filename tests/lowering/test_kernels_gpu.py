@@ -215,6 +215,21 @@ def test_topk_indices_meets_the_contract(rows, cols, k, kind, pad, sorted_, path
     assert_topk_valid(logits, got.cpu(), k, lengths, offset, pad, sorted_)
 
 
+@pytest.mark.parametrize("rows, cols", [(20, 20000), (8, 65536)])
+@pytest.mark.parametrize("kind", ["ties", "close", "nan", "tail", "randn"])
+@pytest.mark.parametrize("pad, sorted_", [("neg1", False), ("column", True)])
+def test_topk_window_meets_the_contract(rows, cols, kind, pad, sorted_):
+    """The split path binned by each row's window (the launcher's choice without lengths) on rows with lengths too,
+    where it would not choose it: adversarial values, lengths down to 0 and below k."""
+    logits = adversarial_topk_logits(rows, cols, kind, seed=cols + 1)
+    lengths = torch.randint(0, cols + 1, (rows,), generator=torch.Generator().manual_seed(rows)).int()
+    lengths[0] = cols
+    out = torch.full((rows, 2048), 12345, dtype=torch.int32, device=DEV)
+    got = _tk("topk_indices").topk_indices(logits.to(DEV), 2048, lengths.to(DEV), None, pad, sorted_, out=out,
+                                           path="radix_split", window=True)
+    assert_topk_valid(logits, got.cpu(), 2048, lengths, None, pad, sorted_)
+
+
 def _aiter_topk_refusal() -> str | None:
     from nsa_inductor.capability import aiter_refusal, capability
 

@@ -457,10 +457,11 @@ def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pa
        sort=st.sampled_from([None, "chunks"]), sort_chunk=st.sampled_from([4, 16]),
        merge_part=st.sampled_from([4, 64]), interpolation_steps=st.sampled_from([None, 0, 2]),
        small_block=st.sampled_from([4, 2048]), programs=st.sampled_from([None, 1, 2, 3]),
-       bounds=st.sampled_from([None, True]), seed=st.integers(0, 99))
+       bounds=st.sampled_from([None, True]), window=st.sampled_from([None, True]), seed=st.integers(0, 99))
 def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pad, sorted_, with_lengths, path,
                                                     segment, block, capacity, sort, sort_chunk, merge_part,
-                                                    interpolation_steps, small_block, programs, bounds, seed):
+                                                    interpolation_steps, small_block, programs, bounds, window,
+                                                    seed):
     """The radix paths (digit histogram, compaction, select among the boundary bin's candidates; over segments of a
     row in two launches, the last program of a row to arrive selecting, or per row in one, in chunks of `segment`
     columns) on the same rows: candidates held in registers (on the split path, in a smaller block where at most 4
@@ -481,7 +482,7 @@ def test_topk_indices_radix_paths_meet_the_contract(rows, cols, k_frac, kind, pa
     with mock.patch.multiple(tk, **constants):
         got = tk.topk_indices(logits, k, lengths, offset, pad, sorted_, out=guarded[1:-1], block=block, path=path,
                               segment=segment, chunk=segment, capacity=capacity, sort=sort, sort_chunk=sort_chunk,
-                              programs=programs, bounds=bounds)
+                              programs=programs, bounds=bounds, window=window)
     assert_topk_valid(logits, got, k, lengths, offset, pad, sorted_)
     assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
 
@@ -626,24 +627,74 @@ def test_topk_split_path_bounds_launch(programs, segment):
     segments, or of 25 (more than one block of segments' counts: the offsets carried across blocks), lengths ending
     inside a program's first, middle and last segment or none, k at 1, inside the boundary bin and all but one
     column, ties, NaN and random values, the candidates' buffer holding them all or overflowing, both pads, sorted by
-    ranks or not; the output's neighbours untouched. Fewer programs than segments without the bounds launch is
-    refused."""
+    ranks or not; binned by the radix digit or by each row's window; the output's neighbours untouched. Fewer
+    programs than segments without the bounds launch is refused, and so is the window without it."""
     cols = 100
     tk = _kernels("topk_indices")
     for kind in ("randn", "ties", "nan"):  # (NaN: boundary in the last bin, none above it)
         logits = adversarial_topk_logits(4, cols, kind, programs)
-        for lengths in (None, torch.tensor([cols, 37, 90, 5], dtype=torch.int32)):
+        for lengths, window in ((None, True), (torch.tensor([cols, 37, 90, 5], dtype=torch.int32), False),
+                                (torch.tensor([cols, 37, 90, 5], dtype=torch.int32), True)):
             for k, pad, sorted_, capacity in ((1, "neg1", False, None), (20, "column", True, None),
                                               (20, "neg1", False, 4), (99, "neg1", True, None)):
                 guarded = torch.full((6, k), 12345, dtype=torch.int32)
                 got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, out=guarded[1:-1], path="radix_split",
-                                      segment=segment, block=16, capacity=capacity, programs=programs, bounds=True)
+                                      segment=segment, block=16, capacity=capacity, programs=programs, bounds=True,
+                                      window=window)
                 assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
                 assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
     if programs < -(-cols // segment):
         with pytest.raises(ValueError, match="needs bounds"):
             tk.topk_indices(logits, 1, None, None, path="radix_split", segment=segment, block=16, programs=programs,
                             bounds=False)
+    with pytest.raises(ValueError, match="needs bounds"):
+        tk.topk_indices(logits, 1, None, None, path="radix_split", segment=segment, block=16, bounds=False,
+                        window=True)
+
+
+@child_only
+def test_topk_window_bins_are_monotone_and_hold_the_kth_value():
+    """The split path's window (`_row_window`, from a sample of the row) and its bins (`_window_digit`), which the
+    histogram and the compaction must agree on and order as the values: on rows of random, sorted, huge (beyond
+    fp16), tiny (subnormal), mostly -inf, NaN-holding, all-equal and sign-straddling values, every probe value's bin
+    is in [1, 31] and never lower than a smaller value's (NaN highest, as torch.topk ranks it). On random and sorted
+    rows the window holds the k-th largest value (the sample's margin makes a miss a six-sigma event)."""
+    import triton
+    import triton.language as tl
+
+    tk = _kernels("topk_indices")
+
+    @triton.jit
+    def window_bins(row_ptr, probe_ptr, digit_ptr, window_ptr, length, k, WINDOW: tl.constexpr, DIGIT: tl.constexpr,
+                    SAMPLE: tl.constexpr, BINS: tl.constexpr, PROBES: tl.constexpr):
+        low, high, scale = WINDOW(row_ptr, length, k, SAMPLE, BINS)
+        tl.store(window_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, low, high))
+        i = tl.arange(0, PROBES)
+        tl.store(digit_ptr + i, DIGIT(tl.load(probe_ptr + i), low, high, scale))
+
+    gen = torch.Generator().manual_seed(5)
+    n, k = 4096, 64
+    randn = torch.randn(n, generator=gen)
+    tiny = randn * 1e-40
+    rows = {"randn": randn, "sorted": randn.sort().values, "huge": randn * 1e38, "beyond_fp16": randn * 1e6,
+            "tiny": tiny, "neg_inf": randn.masked_fill(torch.rand(n, generator=gen) < 0.99, float("-inf")),
+            "nan": randn.masked_fill(torch.rand(n, generator=gen) < 0.1, float("nan")), "equal": torch.ones(n),
+            "straddling": randn - randn.topk(k).values[-1]}
+    special = torch.tensor([float("-inf"), -3e38, -1.0, -1e-40, -0.0, 0.0, 1e-45, 1.0, 3e38, float("inf"),
+                            float("nan")])
+    for name, row in rows.items():
+        probes = torch.cat([row, special, randn * row.nan_to_num(0, 0, 0).abs().max()])
+        probes = probes[torch.argsort(torch.where(probes.isnan(), float("inf"), probes), stable=True)]
+        probes = torch.cat([probes[~probes.isnan()], probes[probes.isnan()]])
+        probes = torch.cat([probes, probes[-1:].expand(16384 - len(probes))])
+        digits = torch.empty(len(probes), dtype=torch.int32)
+        window = torch.empty(2)
+        window_bins[(1,)](row, probes, digits, window, n, k, WINDOW=tk._row_window, DIGIT=tk._window_digit,
+                          SAMPLE=tk.RADIX_SAMPLE, BINS=tk.SAMPLE_BINS, PROBES=len(probes))
+        assert digits.min() >= 1 and digits.max() <= 31, name
+        assert (digits[1:] >= digits[:-1]).all(), name
+        if name in ("randn", "sorted"):
+            assert window[0] <= row.topk(k).values[-1] < window[1], (name, window)
 
 
 def _rope_case(tokens: int, rope_dim: int, gen) -> tuple:

@@ -40,6 +40,22 @@ EMPTY = tl.constexpr(-9223372036854775808)  # sort key of -1 entries: below ever
 # where rows are split (the decode steps' own logits leave too many candidates in half-octave bins; BENCHMARKS.md)
 RADIX_ROW_BINS = 128
 RADIX_SPLIT_BINS = 256
+# The split path with its bounds launch bins values by the row's window instead (`_window_digit`: 0 no column, 1
+# below the window, 2..30 equal widths of it, 31 at or above it): `tl.histogram` costs a ballot per digit bit and a
+# count per bin a lane holds, 8 ballots and 8 counts a column at 256 bins, 5 and 1 at 32. The window comes from a
+# jittered stratified sample of RADIX_SAMPLE columns a row (`_row_window`): the sample's values ranked within
+# WINDOW_SIGMAS binomial deviations (plus WINDOW_SLACK) of where the k-th largest value's rank falls, each widened
+# to the sampled values of its radix bin of SAMPLE_BINS.
+RADIX_WINDOW_BINS = 32
+WINDOW_WIDTHS = tl.constexpr(29)
+RADIX_SAMPLE = 512
+SAMPLE_BINS = tl.constexpr(256)
+WINDOW_SIGMAS = tl.constexpr(6.0)
+WINDOW_SLACK = tl.constexpr(4.0)
+WINDOW_EDGE = tl.constexpr(2.0**126)  # the window's ends clipped to +-this: its width stays finite
+# A row's entries in the split path's per-row scratch (`row_stats`): its boundary bin, the columns above it and in
+# it (the bounds launch), the window's low and high ends and its bins' scale (the window launch; fp32 bits).
+ROW_STATS = tl.constexpr(8)
 INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole row's two guided trials), then it halves
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
@@ -383,7 +399,8 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties); one key from the take-th
         # at an end of the bracket, one reduction ends it (`_finish_at_end`; on a whole row it was slower).
         lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
-        width = (highest - lo).to(tl.int32) + 1  # (below 2^31: the widest bin, 3, spans ~2^30 keys)
+        width = (highest - lo).to(tl.int64) & 0xFFFFFFFF  # (a window's bin may span more than 2^31 keys)
+        width += 1
         at_bound = tl.where(searching, n_finite, n_valid)
         go = searching & (at_bound != take) & (width > 1) & ~_one_key_from_end(at_bound, above_bound, take)
         step = 0
@@ -391,7 +408,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             if step < INTERPOLATION_STEPS:
                 share = tl.fdiv((at_bound - take).to(tl.float32), (at_bound - above_bound).to(tl.float32),
                                 ieee_rounding=False)
-                offset = (width.to(tl.float32) * share).to(tl.int32)
+                offset = (width.to(tl.float32) * share).to(tl.int64)
             else:
                 offset = width >> 1
             offset = tl.minimum(tl.maximum(offset, 1), width - 1)
@@ -677,17 +694,47 @@ def _radix_digit(x, BINS: tl.constexpr):
 
 
 @triton.jit
+def _window_digit(x, low, high, scale):
+    """Bin of x among ``RADIX_WINDOW_BINS``, monotone in x (each step of the float math rounds monotonically): 1
+    below the window [low, high), 2 + floor((x - low) * scale) in it (``scale``: WINDOW_WIDTHS over its width), 31
+    at or above high and for NaN; bin 0 is left to positions without a column. (``_row_window`` keeps its ends
+    finite and scale * width <= WINDOW_WIDTHS, so the product inside is finite.)"""
+    inside = (x >= low) & (x < high)
+    t = tl.minimum(tl.where(inside, (x - low) * scale, 0.0), WINDOW_WIDTHS - 1.0)
+    return tl.where((x >= high) | (x != x), WINDOW_WIDTHS + 2, tl.where(inside, 2 + t.to(tl.int32), 1))
+
+
+@triton.jit
+def _digit(x, valid, low, high, scale, BINS: tl.constexpr, WINDOW: tl.constexpr):
+    """The bin of each value x (0 where not ``valid``: no column): by the row's window (``_window_digit``) with
+    WINDOW, else its radix digit."""
+    if WINDOW:
+        digit = _window_digit(x, low, high, scale)
+    else:
+        digit = _radix_digit(x, BINS)
+    return tl.where(valid, digit, 0)
+
+
+@triton.jit
+def _stored_window(row_stats, row):
+    """(low, high, scale) of the row's window, as the window launch wrote them."""
+    stats = row_stats + row * ROW_STATS
+    return (tl.load(stats + 4).to(tl.float32, bitcast=True), tl.load(stats + 5).to(tl.float32, bitcast=True),
+            tl.load(stats + 6).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _row_values(src, col, length):
     """The row's values at columns ``col``, those below ``length`` (0 past it)."""
     return tl.load(src + col, mask=col < length, other=0.0)
 
 
 @triton.jit
-def _digit_counts(src, col, length, n_cols, BINS: tl.constexpr):
-    """How many of the row's columns ``col`` (those below ``length``) fall in each radix bin. (Loaded up to the
-    row's end, ``n_cols``: whole vectors where that is a multiple of 16, as a length would not be.)"""
+def _digit_counts(src, col, length, n_cols, low, high, scale, BINS: tl.constexpr, WINDOW: tl.constexpr = False):
+    """How many of the row's columns ``col`` (those below ``length``) fall in each bin (``_digit``). (Loaded up to
+    the row's end, ``n_cols``: whole vectors where that is a multiple of 16, as a length would not be.)"""
     x = _row_values(src, col, n_cols)
-    return tl.histogram(tl.where(col < length, _radix_digit(x, BINS), 0), BINS)
+    return tl.histogram(_digit(x, col < length, low, high, scale, BINS, WINDOW), BINS)
 
 
 @triton.jit
@@ -715,13 +762,14 @@ def _around_bin(at_least, b, BINS: tl.constexpr):
 
 @triton.jit
 def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
-             WRITE_KEYS: tl.constexpr, BINS: tl.constexpr, VECTORS: tl.constexpr = False):
+             low, high, scale, WRITE_KEYS: tl.constexpr, BINS: tl.constexpr, VECTORS: tl.constexpr = False,
+             WINDOW: tl.constexpr = False):
     """Of the row's columns ``col`` (their values ``x``; those from ``length`` take no part): those above boundary bin
-    b to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their keys to
-    ``dst_keys``), those in b to the candidates after ``cand_before`` (columns and keys, up to ``capacity``); returns
-    how many of each there were. VECTORS: ``col`` as ``_vector_positions`` (one scan step a vector, not a column)."""
-    valid = col < length
-    digit = tl.where(valid, _radix_digit(x, BINS), 0)
+    b (``_digit``) to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their
+    keys to ``dst_keys``), those in b to the candidates after ``cand_before`` (columns and keys, up to
+    ``capacity``); returns how many of each there were. VECTORS: ``col`` as ``_vector_positions`` (one scan step a
+    vector, not a column)."""
+    digit = _digit(x, col < length, low, high, scale, BINS, WINDOW)
     is_above = digit > b
     is_cand = digit == b
     key = _order_key(x).to(tl.int32, bitcast=True)
@@ -753,11 +801,55 @@ def _take_all(src, col, length, dst, dst_keys, shift_cols, NEG1: tl.constexpr, W
 
 
 @triton.jit
-def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row, n_segments, k,
+def _row_window(src, length, k, SAMPLE: tl.constexpr, BINS: tl.constexpr):
+    """(low, high, scale) of a row's window (``_window_digit``): a value range that holds its k-th largest value
+    (else the boundary bin is the one below or above it: still exact, only slower) but few of its other values. From
+    SAMPLE columns, one at a hashed offset in each of SAMPLE equal strata of the row (a sorted row is sampled as
+    evenly as a random one): the number of sampled values at or above the k-th is binomial (SAMPLE, k / length)
+    whatever the values are, so the window runs from the sample's (expected + margin)-th largest value to its
+    (expected - margin)-th (at least its largest), margin WINDOW_SIGMAS deviations plus WINDOW_SLACK, each widened
+    to the sampled values of its radix bin (ranks found by a histogram, not a sort). Every program of a row computes
+    """
+    stratum = tl.arange(0, SAMPLE)
+    offset = (stratum.to(tl.uint32) * 2654435761) >> 16  # a fixed pseudo-random offset in [0, 65536)
+    x = tl.load(src + (stratum.to(tl.int64) * length + (offset.to(tl.int64) * length >> 16)) // SAMPLE)
+    digit = _radix_digit(x, BINS)
+    at_least = _at_least(tl.histogram(digit, BINS))
+    share = k / length.to(tl.float32)
+    expected = share * SAMPLE
+    margin = WINDOW_SIGMAS * tl.sqrt(expected * (1.0 - share)) + WINDOW_SLACK
+    high_bin = tl.sum((at_least >= tl.maximum(expected - margin, 1.0)).to(tl.int32), axis=0) - 1
+    low_bin = tl.sum((at_least >= tl.minimum(expected + margin, SAMPLE)).to(tl.int32), axis=0) - 1
+    key = _order_key(x)
+    low = _key_value(tl.min(tl.where(digit >= low_bin, key, 0xFFFFFFFF), axis=0))
+    high = _key_value(tl.max(tl.where(digit <= high_bin, key, 0), axis=0))
+    low = tl.where(low > -WINDOW_EDGE, low, -WINDOW_EDGE)  # (-inf, NaN: the clipped end)
+    high = tl.where(high < WINDOW_EDGE, high, WINDOW_EDGE)
+    return low, high, tl.full((), WINDOW_WIDTHS, tl.float32) / tl.maximum(high - low, 1e-30)
+
+
+@triton.jit
+def _radix_window_kernel(logits, lengths, row_stats, n_cols, stride_row, k, HAS_LENGTHS: tl.constexpr,
+                         SAMPLE: tl.constexpr, PDL: tl.constexpr = False):
+    """Program per row, first of the split path's launches where it bins by window: the row's window
+    (``_row_window``) to ``row_stats[row, 4:7]``. Nothing for a row of at most k columns (it takes them all)."""
+    wait_for_previous_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
+    if length > k:
+        low, high, scale = _row_window(logits + row * stride_row, length, k, SAMPLE, SAMPLE_BINS)
+        stats = row_stats + row * ROW_STATS
+        tl.store(stats + 4, low.to(tl.int32, bitcast=True))
+        tl.store(stats + 5, high.to(tl.int32, bitcast=True))
+        tl.store(stats + 6, scale.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _radix_histogram_kernel(logits, lengths, hist, arrivals, row_stats, n_cols, stride_row, n_segments, k,
                             HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr, BINS: tl.constexpr,
-                            SEVERAL_SEGMENTS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, p): for each radix bin, how many of segment s's columns are in that bin or above, to
-    ``hist[row, s]``, for s = p (with SEVERAL_SEGMENTS: s = p, p + P, ... for P programs a row); segments past the
+                            SEVERAL_SEGMENTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, p): for each bin (``_digit``: with WINDOW by the row's window in ``row_stats``), how many of
+    segment s's columns are in that bin or above, to ``hist[row, s]``, for s = p (with SEVERAL_SEGMENTS: s = p, p + P, ... for P programs a row); segments past the
     row's length, as in an engine's max_model_len-wide rows, have no columns, and a row of at most k columns takes
     them all: nothing is counted or read for them. Program (row, 0) zeroes the row's arrival count for the
     compaction launch."""
@@ -767,20 +859,27 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, n_cols, stride_row,
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     src = logits + row * stride_row
     hist_row = hist + row * n_segments * BINS
+    low = 0.0
+    high = 0.0
+    scale = 0.0
+    if WINDOW and (length > k):
+        low, high, scale = _stored_window(row_stats, row)
     if SEVERAL_SEGMENTS:
         if length > k:
             for segment in range(program, tl.cdiv(length, SEGMENT), tl.num_programs(1)):
-                _segment_counts(src, hist_row, segment, length, n_cols, SEGMENT, BINS)
+                _segment_counts(src, hist_row, segment, length, n_cols, low, high, scale, SEGMENT, BINS, WINDOW)
     elif (program * SEGMENT < length) & (length > k):
-        _segment_counts(src, hist_row, program, length, n_cols, SEGMENT, BINS)
+        _segment_counts(src, hist_row, program, length, n_cols, low, high, scale, SEGMENT, BINS, WINDOW)
     if program == 0:
         tl.store(arrivals + row, 0)
 
 
 @triton.jit
-def _segment_counts(src, hist_row, segment, length, n_cols, SEGMENT: tl.constexpr, BINS: tl.constexpr):
-    """Segment ``segment``'s count of columns at or above each radix bin, to its row of ``hist_row``."""
-    at_least = _at_least(_digit_counts(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, n_cols, BINS))
+def _segment_counts(src, hist_row, segment, length, n_cols, low, high, scale, SEGMENT: tl.constexpr,
+                    BINS: tl.constexpr, WINDOW: tl.constexpr):
+    """Segment ``segment``'s count of columns at or above each bin, to its row of ``hist_row``."""
+    at_least = _at_least(_digit_counts(src, segment * SEGMENT + tl.arange(0, SEGMENT), length, n_cols, low, high,
+                                       scale, BINS, WINDOW))
     tl.store(hist_row + segment * BINS + tl.arange(0, BINS), at_least)
 
 
@@ -800,11 +899,11 @@ def _row_counts(hist_row, used, before, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.c
 
 
 @triton.jit
-def _radix_bounds_kernel(lengths, hist, row_bins, before, n_cols, n_segments, k, HAS_LENGTHS: tl.constexpr,
+def _radix_bounds_kernel(lengths, hist, row_stats, before, n_cols, n_segments, k, HAS_LENGTHS: tl.constexpr,
                          SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr, BINS: tl.constexpr,
                          PDL: tl.constexpr = False):
     """Program per row, between the histogram and the compaction where a row's segments are many: its boundary bin b,
-    the columns above b and in it to ``row_bins[row]``, and per segment those above b and in b in the segments
+    the columns above b and in it to ``row_stats[row, 0:3]``, and per segment those above b and in b in the segments
     before it to ``before[row, s]``; so a compaction program reads b and two counts a segment, not its row's counts
     of every segment (at 64 x 65536, 64 KB a program). Nothing for a row of at most k columns (it takes them all)."""
     wait_for_previous_grid(PDL)
@@ -816,7 +915,7 @@ def _radix_bounds_kernel(lengths, hist, row_bins, before, n_cols, n_segments, k,
         total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
         b, above, in_bin = _boundary_bin(total, tl.minimum(k, length), BINS)
         three = tl.arange(0, 4)
-        tl.store(row_bins + row * 3 + three, tl.where(three == 0, b, tl.where(three == 1, above, in_bin)),
+        tl.store(row_stats + row * ROW_STATS + three, tl.where(three == 0, b, tl.where(three == 1, above, in_bin)),
                  mask=three < 3)
         above_seen = tl.zeros((), tl.int32)
         in_bin_seen = tl.zeros((), tl.int32)
@@ -834,19 +933,19 @@ def _radix_bounds_kernel(lengths, hist, row_bins, before, n_cols, n_segments, k,
 
 
 @triton.jit
-def _radix_compact_kernel(logits, lengths, offset, hist, row_bins, before, arrivals, cand_cols, cand_keys, out,
+def _radix_compact_kernel(logits, lengths, offset, hist, row_stats, before, arrivals, cand_cols, cand_keys, out,
                           out_keys, n_cols, stride_row, k, n_segments, capacity, HAS_LENGTHS: tl.constexpr,
                           HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr,
                           SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                           SMALL_BLOCK: tl.constexpr, BINS: tl.constexpr, BOUNDS: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          WINDOW: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, p) of P a row, for its segments s = p, p + P, ...: segment s's columns above the row's boundary
     bin b (the bin of its k-th largest value) go straight to the output (after those of the segments before it), its
     columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). A row of at most k
     columns takes them all (``_take_all``). With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the
     rank sort). With BOUNDS, b and the counts before s come from ``_radix_bounds_kernel``'s launch, and
     ``_radix_select_kernel``'s selects the rest (this kernel then holds no candidates in registers: few registers,
-    many programs an SM). Else (one segment a program) each program finds them in the counts of its row's segments,
+    many programs an SM), binning by the row's window with WINDOW. Else (one segment a program) each program finds them in the counts of its row's segments,
     and the row's last program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top
     k among the candidates, then pads."""
     wait_for_previous_grid(PDL)
@@ -864,12 +963,18 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_bins, before, arriv
                       not PAD_COLUMNS, WRITE_KEYS)
     if BOUNDS:
         if length > k:
-            b = tl.load(row_bins + row * 3)
+            b = tl.load(row_stats + row * ROW_STATS)
+            low = 0.0
+            high = 0.0
+            scale = 0.0
+            if WINDOW:
+                low, high, scale = _stored_window(row_stats, row)
             for segment in range(program, used, programs):
                 col = segment * SEGMENT + _vector_positions(SEGMENT)
                 counts_before = before + (row * n_segments + segment) * 2
                 _compact(_row_values(src, col, n_cols), col, length, b, dst, dst_keys, tl.load(counts_before),
-                         row_cols, row_keys, tl.load(counts_before + 1), capacity, shift_cols, WRITE_KEYS, BINS, True)
+                         row_cols, row_keys, tl.load(counts_before + 1), capacity, shift_cols, low, high, scale,
+                         WRITE_KEYS, BINS, True, WINDOW)
     else:
         hist_row = hist + row * n_segments * BINS
         above_total = tl.zeros((), tl.int32)
@@ -881,7 +986,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_bins, before, arriv
             b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
             above_before, in_bin_before = _around_bin(earlier, b, BINS)
             _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
-                     shift_cols, WRITE_KEYS, BINS, True)
+                     shift_cols, 0.0, 0.0, 0.0, WRITE_KEYS, BINS, True)
         # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == programs - 1:
@@ -895,7 +1000,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_bins, before, arriv
 
 
 @triton.jit
-def _radix_select_kernel(logits, lengths, offset, row_bins, cand_cols, cand_keys, out, out_keys, n_cols, stride_row, k,
+def _radix_select_kernel(logits, lengths, offset, row_stats, cand_cols, cand_keys, out, out_keys, n_cols, stride_row, k,
                          capacity, HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
                          WRITE_KEYS: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
                          PDL: tl.constexpr = False):
@@ -906,8 +1011,9 @@ def _radix_select_kernel(logits, lengths, offset, row_bins, cand_cols, cand_keys
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     dst_keys = out_keys + row * k
     if length > k:
-        _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(row_bins + row * 3 + 2),
-                           tl.load(row_bins + row * 3 + 1), take, dst, dst_keys, length, shift_cols, capacity,
+        stats = row_stats + row * ROW_STATS
+        _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(stats + 2),
+                           tl.load(stats + 1), take, dst, dst_keys, length, shift_cols, capacity,
                            PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
     _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
 
@@ -964,7 +1070,7 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
     else:
         counts = tl.zeros((BINS,), tl.int32)
         for start in range(0, length, CHUNK):
-            counts += _digit_counts(src, start + pos, length, n_cols, BINS)
+            counts += _digit_counts(src, start + pos, length, n_cols, 0.0, 0.0, 0.0, BINS)
         b, above, n_cand = _boundary_bin(_at_least(counts), take, BINS)
         above_seen = tl.zeros((), tl.int32)
         cand_seen = tl.zeros((), tl.int32)
@@ -972,7 +1078,7 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
         for start in range(0, length, CHUNK):
             col = start + vector_pos
             n_above, n_in_bin = _compact(_row_values(src, col, n_cols), col, length, b, dst, dst, above_seen, row_cols,
-                                         row_keys, cand_seen, capacity, shift_cols, False, BINS, True)
+                                         row_keys, cand_seen, capacity, shift_cols, 0.0, 0.0, 0.0, False, BINS, True)
             above_seen += n_above
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
@@ -1065,6 +1171,14 @@ def radix_bounds(rows: int, segments: int) -> bool:
     return rows * segments > RADIX_LAUNCH_PROGRAMS
 
 
+def radix_window(bounds: bool, ragged: bool) -> bool:
+    """Whether the split path bins by each row's window (``_row_window``; its own launch) rather than by the radix
+    digit: with its bounds launch (many long rows) and without lengths. With lengths the host does not know how many
+    columns a row has, and an engine's rows are mostly far shorter than its logits are wide: at 64 rows of 65536
+    with ~8192 columns the launch cost more than the cheaper histogram saved (BENCHMARKS.md, top-k)."""
+    return bounds and not ragged
+
+
 def radix_programs(rows: int, segments: int, ragged: bool, bounds: bool) -> int:
     """The split path's compaction programs a row: one a segment, but with lengths (``ragged``) and bounds about
     ``RADIX_LAUNCH_PROGRAMS`` in all, each taking every programs-th segment (an engine's max_model_len-wide rows
@@ -1074,14 +1188,15 @@ def radix_programs(rows: int, segments: int, ragged: bool, bounds: bool) -> int:
 
 def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None, block=None, num_warps=None,
                  path=None, segment=None, capacity=None, sort=None, sort_chunk=None, chunk=None, programs=None,
-                 bounds=None):
+                 bounds=None, window=None):
     """``[R, k]`` int32 per the op contract (see ``nsa.topk_indices``); ``block`` (a power of two) overrides the
     columns held in registers, so tests reach the split and streamed paths at small sizes; ``num_warps`` overrides
     the warps of the path's main kernel (the benchmark's sweep); ``path`` (one of ``PATHS``) forces a path,
     ``segment``, ``capacity`` and ``chunk`` the radix paths' sizes, ``sort`` (one of ``SORTS``, on its paths) how
     the sorted order is made, ``sort_chunk`` the chunk sort's chunk, ``programs`` the split path's compaction
     programs a row (each taking every programs-th segment; default ``radix_programs``; fewer than the segments need
-    ``bounds``), ``bounds`` whether its bounds launch runs (default ``radix_bounds``)."""
+    ``bounds``), ``bounds`` whether its bounds launch runs (default ``radix_bounds``), ``window`` whether it bins by
+    each row's window (default ``radix_window``; needs ``bounds``)."""
     rows, n_cols = logits.shape
     path = path or path_for(rows, n_cols, k)
     sort_chunk = sort_chunk or SORT_CHUNK
@@ -1105,7 +1220,7 @@ def topk_indices(logits, k, lengths, offset, pad="neg1", sorted=False, out=None,
         # the rank sort reads the selected entries and their keys from one buffer each, and writes `out`
         selected, keys = (torch.empty_like(out), torch.empty_like(out)) if sort == "ranks" else (out, None)
         _radix_topk(logits, k, lengths_arg, offset_arg, selected, keys, flags, block or default_block,
-                    segment or default_segment, capacity, num_warps, programs, bounds)
+                    segment or default_segment, capacity, num_warps, programs, bounds, window)
         if sort == "ranks":
             _sort_by_ranks(selected, keys, out)
     else:
@@ -1139,46 +1254,55 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
 
 
 def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment, capacity, num_warps, programs,
-                bounds):
-    """Two launches over (row, program), or four with ``bounds``: a histogram of the radix digit (a program a
-    segment, or with lengths ``programs`` a row); with ``bounds`` each row's boundary bin and its segments' counts
-    before them (a program a row); the columns above the boundary bin to the output and those in it to the
-    candidates (``programs`` a row, each taking every programs-th segment); the rest selected among the candidates,
-    by the row's last compaction program to arrive, or with ``bounds`` by a launch of a program a row. With
-    ``out_keys`` every output entry's key is written there too."""
+                bounds, window):
+    """Two launches over (row, program), or four with ``bounds``, five with ``window``: each row's window (a
+    program a row); a histogram of the radix digit, or with ``window`` of the window's bins (a program a segment,
+    or with lengths ``programs`` a row); with ``bounds`` each row's boundary bin and its segments' counts before them
+    (a program a row); the columns above the boundary bin to the output and those in it to the candidates
+    (``programs`` a row, each taking every programs-th segment); the rest selected among the candidates, by the
+    row's last compaction program to arrive, or with ``bounds`` by a launch of a program a row. With ``out_keys``
+    every output entry's key is written there too."""
     rows, n_cols = logits.shape
     segments = -(-n_cols // segment)
     ragged = flags["HAS_LENGTHS"]
     if bounds is None:
-        bounds = radix_bounds(rows, segments) or (programs or segments) < segments
+        bounds = radix_bounds(rows, segments) or (programs or segments) < segments or bool(window)
     programs = min(programs or radix_programs(rows, segments, ragged, bounds), segments)
     if programs < segments and not bounds:
         raise ValueError(f"programs={programs} of {segments} segments a row: needs bounds")
-    hist = torch.empty(rows, segments, RADIX_SPLIT_BINS, dtype=torch.int32, device=logits.device)
+    window = radix_window(bounds, ragged) if window is None else window
+    if window and not bounds:
+        raise ValueError("window=True needs bounds")
+    bins = RADIX_WINDOW_BINS if window else RADIX_SPLIT_BINS
+    hist = torch.empty(rows, segments, bins, dtype=torch.int32, device=logits.device)
     arrivals = torch.empty(rows, dtype=torch.int32, device=logits.device)  # zeroed by the histogram launch
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
     stride = logits.stride(0)
     segments_block = min(16, next_power_of_2(segments))
     hist_programs = programs if ragged else segments
-    launch(_radix_histogram_kernel, (rows, hist_programs), logits, lengths, hist, arrivals, n_cols, stride, segments,
-           k, HAS_LENGTHS=ragged, SEGMENT=segment, BINS=RADIX_SPLIT_BINS, SEVERAL_SEGMENTS=hist_programs < segments,
-           num_warps=RADIX_HISTOGRAM_WARPS)
-    row_bins = before = hist  # (not read without bounds)
+    row_stats = before = hist  # (not read without bounds)
     if bounds:
-        row_bins = torch.empty(rows, 3, dtype=torch.int32, device=logits.device)
+        row_stats = torch.empty(rows, ROW_STATS.value, dtype=torch.int32, device=logits.device)
         before = torch.empty(rows, segments, 2, dtype=torch.int32, device=logits.device)
-        launch(_radix_bounds_kernel, (rows,), lengths, hist, row_bins, before, n_cols, segments, k,
-               HAS_LENGTHS=ragged, SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=RADIX_SPLIT_BINS,
+    if window:
+        launch(_radix_window_kernel, (rows,), logits, lengths, row_stats, n_cols, stride, k, HAS_LENGTHS=ragged,
+               SAMPLE=RADIX_SAMPLE, num_warps=RADIX_BOUNDS_WARPS)
+    launch(_radix_histogram_kernel, (rows, hist_programs), logits, lengths, hist, arrivals, row_stats, n_cols, stride,
+           segments, k, HAS_LENGTHS=ragged, SEGMENT=segment, BINS=bins, SEVERAL_SEGMENTS=hist_programs < segments,
+           WINDOW=window, num_warps=RADIX_HISTOGRAM_WARPS)
+    if bounds:
+        launch(_radix_bounds_kernel, (rows,), lengths, hist, row_stats, before, n_cols, segments, k,
+               HAS_LENGTHS=ragged, SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=bins,
                num_warps=RADIX_BOUNDS_WARPS)
     out_keys = out if out_keys is None else out_keys
     select_sizes = dict(BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block // 2))
-    launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, row_bins, before, arrivals,
+    launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, row_stats, before, arrivals,
            cand_cols, cand_keys, out, out_keys, n_cols, stride, k, segments, capacity, WRITE_KEYS=out_keys is not out,
-           SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=RADIX_SPLIT_BINS, BOUNDS=bounds,
+           SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=bins, BOUNDS=bounds, WINDOW=window,
            num_warps=num_warps or (RADIX_COMPACT_WARPS if bounds else RADIX_SELECT_WARPS), **select_sizes, **flags)
     if bounds:
-        launch(_radix_select_kernel, (rows,), logits, lengths, offset, row_bins, cand_cols, cand_keys, out, out_keys,
+        launch(_radix_select_kernel, (rows,), logits, lengths, offset, row_stats, cand_cols, cand_keys, out, out_keys,
                n_cols, stride, k, capacity, WRITE_KEYS=out_keys is not out, num_warps=RADIX_SELECT_WARPS,
                **select_sizes, **flags)
 
