@@ -10,9 +10,10 @@ whole row in registers, so few programs fit an SM. The radix pre-filter takes a 
 columns above the boundary bin at once and compacts those in it, and searches among those candidates only: in two
 launches over (row, segment) programs where rows are few (every SM busy; the row's last program to finish its
 compaction selects; where a launch has many segments, a launch of a program per row finds each row's boundary bin
-and segments' offsets, and another selects, so that the compaction holds few registers), in one launch of one
-program per row streaming the row in chunks where rows are many (small programs, many per SM). The compactions
-hold their columns as vectors of 4 (one scan step a vector). No program waits on another (CUDA-graph safe).
+and segments' offsets, and another selects, so that the compaction holds few registers; without lengths, one more
+first takes each row's digit from a window around its k-th value found from a sample of the row: 32 bins, not
+256), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
+per SM). The compactions hold their columns as vectors of 4 (one scan step a vector). No program waits on another (CUDA-graph safe).
 Costs on the H200: BENCHMARKS.md, top-k.
 """
 
@@ -808,8 +809,7 @@ def _row_window(src, length, k, SAMPLE: tl.constexpr, BINS: tl.constexpr):
     evenly as a random one): the number of sampled values at or above the k-th is binomial (SAMPLE, k / length)
     whatever the values are, so the window runs from the sample's (expected + margin)-th largest value to its
     (expected - margin)-th (at least its largest), margin WINDOW_SIGMAS deviations plus WINDOW_SLACK, each widened
-    to the sampled values of its radix bin (ranks found by a histogram, not a sort). Every program of a row computes
-    """
+    to the sampled values of its radix bin (ranks found by a histogram, not a sort)."""
     stratum = tl.arange(0, SAMPLE)
     offset = (stratum.to(tl.uint32) * 2654435761) >> 16  # a fixed pseudo-random offset in [0, 65536)
     x = tl.load(src + (stratum.to(tl.int64) * length + (offset.to(tl.int64) * length >> 16)) // SAMPLE)
@@ -849,10 +849,10 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, row_stats, n_cols, 
                             HAS_LENGTHS: tl.constexpr, SEGMENT: tl.constexpr, BINS: tl.constexpr,
                             SEVERAL_SEGMENTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, p): for each bin (``_digit``: with WINDOW by the row's window in ``row_stats``), how many of
-    segment s's columns are in that bin or above, to ``hist[row, s]``, for s = p (with SEVERAL_SEGMENTS: s = p, p + P, ... for P programs a row); segments past the
-    row's length, as in an engine's max_model_len-wide rows, have no columns, and a row of at most k columns takes
-    them all: nothing is counted or read for them. Program (row, 0) zeroes the row's arrival count for the
-    compaction launch."""
+    segment s's columns are in that bin or above, to ``hist[row, s]``, for s = p (with SEVERAL_SEGMENTS: s = p, p +
+    P, ... for P programs a row); segments past the row's length, as in an engine's max_model_len-wide rows, have no
+    columns, and a row of at most k columns takes them all: nothing is counted or read for them. Program (row, 0)
+    zeroes the row's arrival count for the compaction launch."""
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     program = tl.program_id(1)
@@ -945,9 +945,9 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_stats, before, arri
     columns takes them all (``_take_all``). With WRITE_KEYS every output entry's key goes to ``out_keys`` (for the
     rank sort). With BOUNDS, b and the counts before s come from ``_radix_bounds_kernel``'s launch, and
     ``_radix_select_kernel``'s selects the rest (this kernel then holds no candidates in registers: few registers,
-    many programs an SM), binning by the row's window with WINDOW. Else (one segment a program) each program finds them in the counts of its row's segments,
-    and the row's last program to arrive (no program waits on another: CUDA-graph safe) selects the rest of the top
-    k among the candidates, then pads."""
+    many programs an SM); the bins are the row's window's with WINDOW. Else (one segment a program) each program
+    finds them in the counts of its row's segments, and the row's last program to arrive (no program waits on
+    another: CUDA-graph safe) selects the rest of the top k among the candidates, then pads."""
     wait_for_previous_grid(PDL)
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
