@@ -75,6 +75,7 @@ RADIX_SELECT_WARPS = 4  # the split path's compaction and final select (BENCHMAR
 RADIX_COMPACT_WARPS = 8  # its compaction alone, after a bounds launch (BENCHMARKS.md, top-k: 8 beat 4 and 16)
 RADIX_HISTOGRAM_WARPS = 8  # the split path's histogram (BENCHMARKS.md, top-k: 8 beat 4)
 RADIX_BOUNDS_WARPS = 4  # (not tuned: ~2 µs at 64 x 65536)
+RADIX_WINDOW_WARPS = 4  # (not tuned: ~2.5 µs at 64 x 65536)
 # Segments of 512 columns a split launch may have (`radix_sizes`: 8 x 8192 and 16 x 4096 faster at 512 than 1024,
 # 16 x 8192 slower; BENCHMARKS.md, top-k).
 RADIX_SHORT_SEGMENTS = 128
@@ -1287,7 +1288,7 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
         before = torch.empty(rows, segments, 2, dtype=torch.int32, device=logits.device)
     if window:
         launch(_radix_window_kernel, (rows,), logits, lengths, row_stats, n_cols, stride, k, HAS_LENGTHS=ragged,
-               SAMPLE=RADIX_SAMPLE, num_warps=RADIX_BOUNDS_WARPS)
+               SAMPLE=RADIX_SAMPLE, num_warps=RADIX_WINDOW_WARPS)
     launch(_radix_histogram_kernel, (rows, hist_programs), logits, lengths, hist, arrivals, row_stats, n_cols, stride,
            segments, k, HAS_LENGTHS=ragged, SEGMENT=segment, BINS=bins, SEVERAL_SEGMENTS=hist_programs < segments,
            WINDOW=window, num_warps=RADIX_HISTOGRAM_WARPS)
