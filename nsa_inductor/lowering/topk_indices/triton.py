@@ -13,7 +13,8 @@ compaction selects; where a launch has many segments, a launch of a program per 
 and segments' offsets, and another selects, so that the compaction holds few registers; without lengths, one more
 first takes each row's digit from a window around its k-th value found from a sample of the row: 32 bins, not
 256), in one launch of one program per row streaming the row in chunks where rows are many (small programs, many
-per SM). The compactions hold their columns as vectors of 4 (one scan step a vector). No program waits on another (CUDA-graph safe).
+per SM). The compactions hold their columns as vectors of 4 (one scan step a vector). No program waits on another
+(CUDA-graph safe).
 Costs on the H200: BENCHMARKS.md, top-k.
 """
 
@@ -718,8 +719,10 @@ def _digit(x, valid, low, high, scale, BINS: tl.constexpr, WINDOW: tl.constexpr)
 
 
 @triton.jit
-def _stored_window(row_stats, row):
-    """(low, high, scale) of the row's window, as the window launch wrote them."""
+def _stored_window(row_stats, row, WINDOW: tl.constexpr):
+    """(low, high, scale) of the row's window, as the window launch wrote them (zeros, unread, without WINDOW)."""
+    if not WINDOW:
+        return 0.0, 0.0, 0.0
     stats = row_stats + row * ROW_STATS
     return (tl.load(stats + 4).to(tl.float32, bitcast=True), tl.load(stats + 5).to(tl.float32, bitcast=True),
             tl.load(stats + 6).to(tl.float32, bitcast=True))
@@ -860,11 +863,7 @@ def _radix_histogram_kernel(logits, lengths, hist, arrivals, row_stats, n_cols, 
     length = _row_length(lengths, row, n_cols, HAS_LENGTHS)
     src = logits + row * stride_row
     hist_row = hist + row * n_segments * BINS
-    low = 0.0
-    high = 0.0
-    scale = 0.0
-    if WINDOW and (length > k):
-        low, high, scale = _stored_window(row_stats, row)
+    low, high, scale = _stored_window(row_stats, row, WINDOW)  # (not written, nor used, for a row of <= k columns)
     if SEVERAL_SEGMENTS:
         if length > k:
             for segment in range(program, tl.cdiv(length, SEGMENT), tl.num_programs(1)):
@@ -965,11 +964,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_stats, before, arri
     if BOUNDS:
         if length > k:
             b = tl.load(row_stats + row * ROW_STATS)
-            low = 0.0
-            high = 0.0
-            scale = 0.0
-            if WINDOW:
-                low, high, scale = _stored_window(row_stats, row)
+            low, high, scale = _stored_window(row_stats, row, WINDOW)
             for segment in range(program, used, programs):
                 col = segment * SEGMENT + _vector_positions(SEGMENT)
                 counts_before = before + (row * n_segments + segment) * 2
