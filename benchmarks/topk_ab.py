@@ -2,6 +2,7 @@
 the copies alternated ``--rounds`` times (run-to-run spread shows as the spread of a cell's rounds).
 
     python3 benchmarks/topk_ab.py --pkg main=dev/main_pkg --pkg new=. [--rounds 2] [--cells 64x8192,8x8192:sorted]
+        [--kernels] [--deadline EPOCH_S]
 
 A copy is a folder holding an ``nsa_inductor/`` package: ``.`` (the working tree) or one made from a revision here,
 ``mkdir -p dev/main_pkg && git archive REV nsa_inductor | tar -x -C dev/main_pkg``, carried to the GPU machine
@@ -14,6 +15,8 @@ copy). k = 2048, random rows (the same in every copy); each cell's result is che
 ``torch.topk``'s of the masked rows, in its order where sorted) and marked ``!WRONG`` otherwise; a cell whose call
 raises shows ``failed`` (the error printed once) and the others run. ``--kernels`` adds each cell's GPU µs per kernel
 (torch.profiler over calls outside a graph, after the timings: the time each kernel runs, what holds a cell's time).
+``--deadline EPOCH_S`` (Unix seconds): no copy starts and no cell is timed or profiled after it (those show
+``skipped``), so a run under a device call's time limit prints what it measured instead of being killed with it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 K = 2048
 CELLS = ("64x8192,64x8192:sorted,64x8192:relu,8x8192,1x32768,16x16384,64x65536,64x65536:lengths=7680-8704,"
@@ -138,9 +142,10 @@ def _cell_call(tk, spec: dict):
             setattr(tk, name, value)
 
 
-def worker(cells: list[str], kernels: bool) -> None:
+def worker(cells: list[str], kernels: bool, deadline: float | None = None) -> None:
     """Times every cell with the package first on the path (this process's copy), then with ``kernels`` profiles
-    each (after every timing, so that none runs after the profiler); prints one JSON line."""
+    each (after every timing, so that none runs after the profiler), none after ``deadline``; prints one JSON
+    line."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from timing import graph_us
 
@@ -150,16 +155,22 @@ def worker(cells: list[str], kernels: bool) -> None:
     runnable = [cell for cell in cells if not _unknown(specs[cell], tk)]  # (others: a copy without what they name)
     results = {cell: None for cell in cells}
     failed = {}
+    skipped = []
     for cell in runnable:
+        if deadline is not None and time.time() > deadline:
+            skipped.append(cell)
+            continue
         try:
             with _cell_call(tk, specs[cell]) as (logits, lengths, call):
                 results[cell] = [graph_us(call), _agrees(logits, lengths, call(), specs[cell]["sorted"]), {}]
         except Exception as error:  # (one cell's error, as a bad keyword value, leaves the others their timings)
             failed[cell] = f"{type(error).__name__}: {error}"[:300]
-    for cell in [cell for cell in runnable if cell not in failed] if kernels else ():
+    for cell in [cell for cell in runnable if results[cell] is not None] if kernels else ():
+        if deadline is not None and time.time() > deadline:
+            break
         with _cell_call(tk, specs[cell]) as (_, _, call):
             results[cell][2] = _kernel_us(call)
-    print("RESULT " + json.dumps({"package": tk.__file__, "cells": results, "failed": failed}))
+    print("RESULT " + json.dumps({"package": tk.__file__, "cells": results, "failed": failed, "skipped": skipped}))
 
 
 def main() -> None:
@@ -168,11 +179,12 @@ def main() -> None:
     parser.add_argument("--cells", default=CELLS, help="comma-separated cells (see the module docstring)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kernels", action="store_true", help="also GPU µs per kernel of each cell")
+    parser.add_argument("--deadline", type=float, default=None, help="Unix time after which nothing new starts")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cells = args.cells.split(",")
     if args.worker:
-        return worker(cells, args.kernels)
+        return worker(cells, args.kernels, args.deadline)
     check_cells(cells)
     if not args.pkg:
         parser.error("give at least one --pkg NAME=DIR")
@@ -180,9 +192,14 @@ def main() -> None:
     times: dict[str, dict[str, list[str]]] = {cell: {} for cell in cells}
     for round_ in range(args.rounds):
         for name, folder in copies:
+            if args.deadline is not None and time.time() > args.deadline:
+                print(f"{name}: not started in round {round_ + 1} (deadline)")
+                continue
             env = dict(os.environ, PYTHONPATH=os.path.abspath(folder))
             run = subprocess.run([sys.executable, __file__, "--worker", "--cells", args.cells]
-                                 + ["--kernels"] * args.kernels, env=env, capture_output=True, text=True)
+                                 + ["--kernels"] * args.kernels
+                                 + ["--deadline", str(args.deadline)] * (args.deadline is not None),
+                                 env=env, capture_output=True, text=True)
             line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 print(f"{name}: failed\n{run.stderr[-3000:]}")
@@ -194,7 +211,8 @@ def main() -> None:
                     print(f"{name} {cell} failed: {error}")
             for cell, timed in result["cells"].items():
                 us, agrees, by_kernel = timed or (None, True, {})
-                shown = "failed" if cell in result["failed"] else "n/a" if us is None else f"{us:.1f}"
+                shown = ("failed" if cell in result["failed"] else "skipped" if cell in result["skipped"]
+                         else "n/a" if us is None else f"{us:.1f}")
                 times[cell].setdefault(name, []).append(shown + ("" if agrees else " !WRONG"))
                 if by_kernel:
                     print(f"{name} {cell} kernels: " + ", ".join(

@@ -123,6 +123,33 @@ def test_topk_ab_worker_times_the_other_cells_when_one_fails(capsys, monkeypatch
     result = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
     assert result["cells"] == {"8x8192": [5.0, True, {}], "8x8192:segment=3": None, "8x8192:sorted": [5.0, True, {}]}
     assert result["failed"] == {"8x8192:segment=3": "ValueError: bad segment"}
+    assert result["skipped"] == []
+
+
+def test_topk_ab_worker_starts_no_cell_after_its_deadline(capsys, monkeypatch):
+    """Past ``--deadline`` a worker times and profiles nothing more and still prints its result, the cells it did
+    not reach listed as skipped (a run under a device call's time limit keeps what it measured)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_topk_ab", ROOT / "benchmarks" / "topk_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    clock = iter([100.0, 200.0, 200.0, 200.0])  # the first cell starts before the deadline, the rest after
+    called = []
+
+    @contextlib.contextmanager
+    def cell_call(tk, spec):
+        yield None, None, lambda: called.append(spec["rows"])
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the worker puts benchmarks/ first)
+    monkeypatch.setitem(sys.modules, "timing", types.SimpleNamespace(graph_us=lambda call: call() or 5.0))
+    monkeypatch.setattr(ab, "_cell_call", cell_call)
+    monkeypatch.setattr(ab, "_agrees", lambda *args: True)
+    monkeypatch.setattr(ab, "_kernel_us", lambda call: called.append("profiled") or {"k_kernel": 1.0})
+    monkeypatch.setattr(ab.time, "time", lambda: next(clock))
+    ab.worker(["1x8192", "2x8192", "3x8192"], kernels=True, deadline=150.0)
+    result = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
+    assert result["cells"] == {"1x8192": [5.0, True, {}], "2x8192": None, "3x8192": None}
+    assert result["skipped"] == ["2x8192", "3x8192"]
+    assert called == [1, 1]  # the first cell's timing and its check; nothing profiled
 
 
 def test_topk_ab_cells_parse_and_name_what_exists():
