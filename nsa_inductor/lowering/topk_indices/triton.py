@@ -914,9 +914,10 @@ def _radix_bounds_kernel(lengths, hist, row_stats, before, n_cols, n_segments, k
         hist_row = hist + row * n_segments * BINS
         total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
         b, above, in_bin = _boundary_bin(total, tl.minimum(k, length), BINS)
-        three = tl.arange(0, 4)
-        tl.store(row_stats + row * ROW_STATS + three, tl.where(three == 0, b, tl.where(three == 1, above, in_bin)),
-                 mask=three < 3)
+        stats = row_stats + row * ROW_STATS
+        tl.store(stats, b)
+        tl.store(stats + 1, above)
+        tl.store(stats + 2, in_bin)
         above_seen = tl.zeros((), tl.int32)
         in_bin_seen = tl.zeros((), tl.int32)
         used_next = tl.where(b + 1 < BINS, used, 0)  # (no bin above the last)
