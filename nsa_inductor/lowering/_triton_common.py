@@ -47,27 +47,64 @@ def interpreted(kernel) -> bool:
 _INT32 = range(-(2**31), 2**31)
 _CUDA_AVAILABLE = torch.cuda.is_available()  # else (a CPU-only machine compiling kernels ahead of time) Triton's launch
 # (id of the kernel, device, argument key, keywords) -> the kernel (kept alive: its id stays its own), Triton's
-# compiled kernel and launch data
+# compiled kernel, the launcher to call and the arguments it takes before the kernel's, the constexpr tail
 _LAUNCHES: dict[tuple, tuple] = {}
+# Triton versions whose launcher object was read (backends/nvidia/driver.py, CudaLauncher.__call__): it allocates the
+# kernel's scratch, then calls its C function with (grid, stream, function, cooperative, pdl, global scratch,
+# profile scratch, ...); for a kernel without scratch the fast path calls that C function itself
+_DIRECT_LAUNCHER_TRITON = ("3.6.",)
 
 
-def _argument_key(args: tuple) -> tuple:
-    """What Triton specialises a launch on, per runtime argument: a tensor's dtype and 16-byte alignment; an int's
-    type (i32 or wider), whether it is 1 and whether 16 divides it; a float's type; anything else by value. (Exact
-    types first: ``isinstance`` chains cost microseconds a launch.)"""
-    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor
-                  else (a in _INT32, a < 2**63, a == 1, not a & 15) if type(a) is int
-                  else _other_argument_key(a) for a in args])
+def _launch_arguments(args: tuple) -> tuple[tuple, list]:
+    """``(key, values)``. ``key``: what Triton specialises a launch on, per runtime argument: a tensor's dtype and
+    16-byte alignment (and its device: a CPU tensor never reaches the fast path, Triton's launch rejects it); an
+    int's type (i32 or wider), whether it is 1 and whether 16 divides it; a float's type; anything else by value.
+    ``values``: the arguments as Triton's launcher takes them, a tensor as its address (given a tensor, the launcher
+    calls its ``data_ptr`` and asks the driver about the pointer, ``cuPointerGetAttribute``, on every launch).
+    Exact types first: ``isinstance`` chains cost microseconds a launch."""
+    key, values = [], []
+    for a in args:
+        if type(a) is torch.Tensor:
+            address = a.data_ptr()
+            key.append((a.dtype, a.get_device(), not address & 15))
+            values.append(address)
+        elif type(a) is int:
+            key.append((a in _INT32, a < 2**63, a == 1, not a & 15))
+            values.append(a)
+        else:
+            item, value = _other_launch_argument(a)
+            key.append(item)
+            values.append(value)
+    return tuple(key), values
 
 
-def _other_argument_key(a) -> object:
+def _other_launch_argument(a) -> tuple[object, object]:
     if isinstance(a, torch.Tensor):
-        return a.dtype, not a.data_ptr() & 15
+        address = a.data_ptr()
+        return (a.dtype, a.get_device(), not address & 15), address
     if isinstance(a, bool):
-        return bool, a
+        return (bool, a), a
     if isinstance(a, int):
-        return a in _INT32, a < 2**63, a == 1, not a & 15
-    return float if isinstance(a, float) else a
+        return (a in _INT32, a < 2**63, a == 1, not a & 15), a
+    return float if isinstance(a, float) else a, a
+
+
+def _launcher(compiled) -> tuple:
+    """``(function, arguments)``: what a fast-path launch calls, and the arguments that go between the stream and
+    function and the kernel metadata. Triton's launcher object; on the versions in ``_DIRECT_LAUNCHER_TRITON`` and
+    for a kernel without scratch, the C function it calls (its Python call costs about a µs: a closure, two
+    allocation checks, the arguments packed again)."""
+    run = compiled.run
+    if (triton.__version__.startswith(_DIRECT_LAUNCHER_TRITON) and type(run).__name__ == "CudaLauncher"
+            and not run.global_scratch_size and not run.profile_scratch_size):
+        return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+    return run, ()
+
+
+def _hook(chain):
+    """A launch hook as Triton's C launcher should get it: ``None`` for none, also for an empty chain (Triton's hooks
+    are ``HookChain`` objects, which the launcher would call, twice a launch, to do nothing)."""
+    return None if chain is None or not getattr(chain, "calls", True) else chain
 
 
 @functools.cache
@@ -80,11 +117,12 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
 
     Why: Triton binds and specialises every argument and builds its cache key on every launch (tens of µs of host
     time a launch on the H200 machine, on every step of a serving loop; BENCHMARKS.md, host cost). The key here holds
-    what Triton specialises on (``_argument_key``, the keywords: constexprs and launch options), so a repeated key
-    runs the kernel Triton compiled for its first call, through Triton's own launcher and launch hooks. CUDA only:
-    ROCm's Triton also specialises on buffer sizes; the interpreter takes Triton's path too. The module constants a
-    kernel reads are taken as fixed for the process (Triton's path rejects a changed one; this one does not look).
-    Where ``capability().programmatic_launch`` holds, every kernel is a programmatic dependent launch (Triton's
+    what Triton specialises on (``_launch_arguments``, the keywords: constexprs and launch options), so a repeated key
+    runs the kernel Triton compiled for its first call, through Triton's own launcher (``_launcher``) with this
+    call's arguments (tensors as addresses) and Triton's launch hooks. CUDA only: ROCm's Triton also specialises on
+    buffer sizes; the interpreter takes Triton's path too. The module constants a kernel reads are taken as fixed for
+    the process (Triton's path rejects a changed one; this one does not look). Where
+    ``capability().programmatic_launch`` holds, every kernel is a programmatic dependent launch (Triton's
     ``launch_pdl``, and the kernel's ``PDL`` for ``wait_for_previous_grid``)."""
     if _programmatic_launch() and not interpreted(kernel):
         keywords["PDL"] = keywords["launch_pdl"] = True
@@ -92,7 +130,8 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
         kernel[grid](*args, **keywords)
         return
     device = torch.cuda.current_device()
-    key = (id(kernel), device, _argument_key(args), tuple(keywords.items()))  # (hashing a JITFunction takes a lock)
+    arguments, values = _launch_arguments(args)
+    key = (id(kernel), device, arguments, tuple(keywords.items()))  # (hashing a JITFunction takes a lock)
     known = _LAUNCHES.get(key)
     if known is None:
         compiled = kernel[grid](*args, **keywords)
@@ -101,15 +140,17 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
             if len(_LAUNCHES) >= 4096:
                 _LAUNCHES.clear()
             tail = tuple(keywords[p.name] if p.name in keywords else p.default for p in params)
-            _LAUNCHES[key] = (kernel, compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
+            _LAUNCHES[key] = (kernel, compiled, *_launcher(compiled), compiled.function, compiled.packed_metadata,
+                              tail)
         return
-    _, compiled, run, function, metadata, tail = known
+    _, compiled, run, before, function, metadata, tail = known
     grid = (*grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    described = None if enter is None or not getattr(enter, "calls", True) else compiled.launch_metadata(
-        grid[:3], stream, *args, *tail)  # what a hook (a profiler) is told; Triton's hooks are an empty chain
-    run(grid[0], grid[1], grid[2], stream, function, metadata, described, enter, leave, *args, *tail)
+    runtime = triton.knobs.runtime
+    enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
+    described = None if enter is None and leave is None else compiled.launch_metadata(
+        grid[:3], stream, *args, *tail)  # what a hook (a profiler) is told
+    run(grid[0], grid[1], grid[2], stream, function, *before, metadata, described, enter, leave, *values, *tail)
 
 
 @triton.jit

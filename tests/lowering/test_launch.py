@@ -4,6 +4,8 @@ must launch with this call's arguments, never the first call's."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -28,7 +30,10 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr, NEGATE: t
 
 def test_the_key_tells_apart_what_triton_specialises_on():
     buf = torch.zeros(64)
-    key = common._argument_key
+
+    def key(args):
+        return common._launch_arguments(args)[0]
+
     assert key((buf,)) == key((torch.ones(64),))  # another aligned fp32 tensor
     assert key((buf,)) != key((buf[1:],))  # 4 bytes off 16-byte alignment
     assert key((buf,)) != key((buf.half(),))
@@ -40,6 +45,67 @@ def test_the_key_tells_apart_what_triton_specialises_on():
     assert key((0.5,)) == key((3.0,)) != key((3,))
     assert key((None,)) != key((buf,))
     assert key((torch.nn.Parameter(buf),)) == key((buf,))  # a subclass: the same specialisation
+
+
+def test_the_launcher_gets_tensors_as_their_addresses():
+    buf, half = torch.zeros(64), torch.zeros(8).half()
+    _, values = common._launch_arguments((buf, 7, half[1:], 0.5, None, torch.nn.Parameter(buf), True))
+    assert values == [buf.data_ptr(), 7, half.data_ptr() + 2, 0.5, None, buf.data_ptr(), True]
+
+
+class CudaLauncher:
+    """Stand-in for Triton 3.6's launcher object (backends/nvidia/driver.py, ``CudaLauncher``; the fast path knows it
+    by its name): records what it is called with, as the object and as its C function."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(("C function", args))
+
+    def __call__(self, *args):
+        self.calls.append(("object", args))
+
+
+@pytest.mark.parametrize("version, direct", [("3.6.0", True), ("3.9.0", False)])
+def test_a_repeated_key_calls_tritons_launcher_with_this_calls_arguments(monkeypatch, version, direct):
+    """On a CPU machine, with Triton's launch and the CUDA calls replaced by stand-ins: the second call of a
+    signature reaches the launcher (its C function on Triton 3.6) with this call's addresses, sizes and grid, the
+    kernel's constexprs, and no hooks while Triton's hook chains are empty."""
+    launcher = CudaLauncher()
+    compiled = types.SimpleNamespace(run=launcher, function=11, packed_metadata=(4, 1, 0),
+                                     launch_metadata=lambda grid, stream, *args: ("described", grid))
+    compiles = []
+    monkeypatch.setattr(common, "_CUDA_AVAILABLE", True)
+    monkeypatch.setattr(common, "_LAUNCHES", {})
+    monkeypatch.setattr(common, "_programmatic_launch", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.setattr(_axpy_kernel, "run", lambda *args, grid, warmup, **kw: compiles.append(grid) or compiled)
+    x, y, out = torch.zeros(40), torch.zeros(40), torch.zeros(40)
+    common.launch(_axpy_kernel, (1,), x, y, out, 40, 2.0, BLOCK=32)
+    assert compiles == [(1,)] and not launcher.calls  # the first call: Triton's own launch
+    x2 = torch.zeros(48)[8:]  # another address, the same alignment
+    common.launch(_axpy_kernel, (2,), x2, y, out, 40, 0.5, BLOCK=32)
+    hooks = triton.knobs.runtime
+    assert not getattr(hooks.launch_enter_hook, "calls", None)  # (an empty chain, or none)
+    seen = []
+    hooks.launch_enter_hook.add(seen.append)
+    try:
+        common.launch(_axpy_kernel, (3,), x2, y, out, 40, 0.5, BLOCK=32)
+    finally:
+        hooks.launch_enter_hook.remove(seen.append)
+    assert compiles == [(1,)]
+    arguments = (x2.data_ptr(), y.data_ptr(), out.data_ptr(), 40, 0.5, 32, False, False)  # BLOCK, NEGATE, PDL
+    before = (False, True, None, None) if direct else ()
+    assert launcher.calls == [
+        ("C function" if direct else "object", (2, 1, 1, 99, 11, *before, (4, 1, 0), None, None, None, *arguments)),
+        ("C function" if direct else "object", (3, 1, 1, 99, 11, *before, (4, 1, 0), ("described", (3, 1, 1)),
+                                                hooks.launch_enter_hook, None, *arguments))]
 
 
 def _axpy(n: int, offset: int = 0, alpha: float = 2.0, **keywords):
@@ -67,6 +133,10 @@ def test_repeated_keys_launch_with_their_own_arguments():
         for case in cases:  # the fast path: fresh tensors, the same keys
             _axpy(**case)
     assert len(common._LAUNCHES) == known
+    if torch.version.hip is None:
+        x, y, out = torch.randn(100), torch.randn(100, device="cuda"), torch.empty(100, device="cuda")
+        with pytest.raises(ValueError, match="cpu tensor"):  # a known key but for the device: Triton's launch says no
+            common.launch(_axpy_kernel, (4,), x, y, out, 100, 2.0, BLOCK=32)
 
 
 @pytest.mark.gpu
