@@ -4,8 +4,8 @@ Two kinds of decision, both reported in one line by :func:`describe`:
 
 - :func:`capability`: the machine (platform, gfx arch, Triton and aiter versions, which keywords the installed
   aiter accepts) and the switches ``NSA_INDUCTOR_DISABLE_AITER`` / ``NSA_INDUCTOR_DISABLE_PRESHUFFLE`` /
-  ``AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS`` / ``NSA_INDUCTOR_CHECKS``: read once per process, on first use (never at
-  import).
+  ``AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS`` / ``NSA_INDUCTOR_CHECKS`` / ``NSA_INDUCTOR_DISABLE_PDL`` /
+  ``NSA_INDUCTOR_DISABLE_HOST_PLANS``: read once per process, on first use (never at import).
 - :func:`select_layout`: the K-cache layout. ``NSA_INDUCTOR_LAYOUT`` / ``NSA_INDUCTOR_PAGE_SIZE`` are read on every
   call (each compile), so a changed value takes effect at the next compile; the result is cached per value.
 
@@ -41,6 +41,7 @@ ENV_DUMP_DIR = "NSA_INDUCTOR_DUMP_DIR"
 ENV_AITER_AOT = "AITER_ENABLE_AOT_GLUON_PA_MQA_LOGITS"
 ENV_CHECKS = "NSA_INDUCTOR_CHECKS"
 ENV_DISABLE_PDL = "NSA_INDUCTOR_DISABLE_PDL"
+ENV_DISABLE_HOST_PLANS = "NSA_INDUCTOR_DISABLE_HOST_PLANS"
 
 LAYOUT_NAMES = ("flat", "paged", "preshuffle")
 DEFAULT_PAGE_SIZE = 64
@@ -123,6 +124,7 @@ class Capability:
     index_checks: bool = False  # NSA_INDUCTOR_CHECKS: every nsa op call asserts its index arguments
     cuda_arch: int = 0  # NVIDIA compute capability as major * 10 + minor (90: H100/H200); 0 elsewhere
     pdl_disabled: bool = False  # NSA_INDUCTOR_DISABLE_PDL
+    host_plans_disabled: bool = False  # NSA_INDUCTOR_DISABLE_HOST_PLANS (lowering/_host_plans.py)
 
     def aiter_has(self, feature: str) -> bool:
         """Whether the installed aiter has ``feature`` (a key of ``AITER_FEATURES``)."""
@@ -294,6 +296,7 @@ def capability() -> Capability:
         index_checks=_env_flag(ENV_CHECKS),
         cuda_arch=_cuda_arch() if platform == "cuda" else 0,
         pdl_disabled=_env_flag(ENV_DISABLE_PDL),
+        host_plans_disabled=_env_flag(ENV_DISABLE_HOST_PLANS),
     )
 
 
@@ -519,8 +522,9 @@ def describe(decision: LayoutDecision | None = None, cap: Capability | None = No
     checks = f" checks=on ({ENV_CHECKS})" if cap.index_checks else ""
     pdl = " pdl=on" if cap.programmatic_launch else (
         f" pdl=off ({ENV_DISABLE_PDL})" if cap.pdl_disabled and cap.platform == "cuda" else "")
+    plans = f" host_plans=off ({ENV_DISABLE_HOST_PLANS})" if cap.host_plans_disabled else ""
     return (
         f"nsa_inductor: platform={cap.platform} ({cap.device_name}{arch}) kernels={cap.kernel_backend} "
         f"triton={cap.triton_version or 'none'} aiter={aiter} "
-        f"fp8={fp8} layout={decision}{checks}{pdl}{aiter_routes(cap, decision.layout)}"
+        f"fp8={fp8} layout={decision}{checks}{pdl}{plans}{aiter_routes(cap, decision.layout)}"
     )

@@ -7,7 +7,8 @@ other GPUs its ``triton`` module. Those two are imported on first use, never by 
 type has no Triton type on NVIDIA, so fnuz arithmetic there runs the reference (logged once); the gather is a byte
 copy and stays on Triton for both fp8 types. The host cost of a call is paid on every step of a serving loop: the ops
 are plain dispatcher kernels (``nsa_op``), on real tensors the checks run once per call signature
-(``once_per_signature``), and Triton kernels launch without Triton's per-call binding (``_triton_common.launch``).
+(``once_per_signature``), Triton kernels launch without Triton's per-call binding (``_triton_common.launch``), and
+a signature's later calls replay its launches (``_host_plans``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..index_contract import python_index
 from ..indexer import apply_rope
 from ..layout import HEAD_DIM, KCacheLayout
 from ..quant import FP8_DTYPES
+from . import _host_plans as host_plans
 
 log = logging.getLogger("nsa_inductor")
 
@@ -155,20 +157,24 @@ def nsa_op(name: str, mutates_args: tuple[str, ...] = ()):
     Why not ``torch.library.custom_op``: its Python layers (an autograd wrapper, a Dynamo-disabled frame, output
     alias checks, an ADInplaceOrView kernel that rebuilds the argument list per mutated argument) cost the host more
     than the Triton launch itself on every call of a serving loop (BENCHMARKS.md, host cost). A plain dispatcher
-    kernel is what remains; it bumps the version counter of each argument in ``mutates_args`` once per call, as
-    custom_op does."""
+    kernel is what remains; it replays a repeated call signature's host plan (``_host_plans``) and bumps the version
+    counter of each argument in ``mutates_args`` once per call, as custom_op does."""
     def register(fn) -> NsaOp:
         _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
-        kernel = fn
+        body = fn
         mutated = [(i, p) for i, p in enumerate(inspect.signature(fn).parameters) if p in mutates_args]
         if mutated:
-            @functools.wraps(fn)
-            def kernel(*args, **kwargs):
+            def body(*args, **kwargs):
                 with torch._C._AutoDispatchBelowADInplaceOrView():  # the body's own writes bump nothing
-                    out = fn(*args, **kwargs)
-                for i, p in mutated:
-                    torch.autograd.graph.increment_version(args[i] if i < len(args) else kwargs[p])
-                return out
+                    return fn(*args, **kwargs)
+
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            out = body(*args, **kwargs) if kwargs else host_plans.run(name, body, args)
+            for i, p in mutated:
+                torch.autograd.graph.increment_version(args[i] if i < len(args) else kwargs[p])
+            return out
+
         for key in ("CPU", "CUDA"):
             _LIBRARY.impl(name, kernel, key)
         return NsaOp(name)
@@ -226,13 +232,16 @@ def _function(op: str, backend: str):
 
 def implementation(op: str, device: torch.device, fp8_dtype: torch.dtype | None, **static):
     """The function that runs this call of ``op``, an op aiter has a kernel for (``static``: see choose_backend)."""
-    return _function(op, choose_backend(op, device, fp8_dtype, **static))
+    backend = choose_backend(op, device, fp8_dtype, **static)
+    host_plans.note_backend(backend)
+    return _function(op, backend)
 
 
 def triton_or_reference(op: str, device: torch.device, fp8_dtype: torch.dtype | None = None):
     """For the ops aiter has no kernel for: the Triton kernel on GPUs, the torch reference elsewhere (and for fnuz
     fp8 outputs on NVIDIA)."""
     backend = "torch" if device.type == "cpu" else _triton_unless_fnuz_on_nvidia(op, capability(), fp8_dtype)
+    host_plans.note_backend(backend)
     return _function(op, backend)
 
 

@@ -19,6 +19,7 @@ from triton.language.extra import libdevice
 from ..capability import capability
 from ..layout import HEAD_DIM
 from ..quant import AMAX_FLOOR, fp8_max
+from . import _host_plans as host_plans
 
 try:
     from triton.language.extra.cuda import gdc_wait
@@ -123,10 +124,14 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     buffer sizes; the interpreter takes Triton's path too. The module constants a kernel reads are taken as fixed for
     the process (Triton's path rejects a changed one; this one does not look). Where
     ``capability().programmatic_launch`` holds, every kernel is a programmatic dependent launch (Triton's
-    ``launch_pdl``, and the kernel's ``PDL`` for ``wait_for_previous_grid``)."""
+    ``launch_pdl``, and the kernel's ``PDL`` for ``wait_for_previous_grid``). While an op call's host plan is
+    recorded (``_host_plans``), each launch is told to it; one through Triton's own path spoils it."""
     if _programmatic_launch() and not interpreted(kernel):
         keywords["PDL"] = keywords["launch_pdl"] = True
+    recording = host_plans.recording()
     if interpreted(kernel) or torch.version.hip is not None or not _CUDA_AVAILABLE:
+        if recording is not None:
+            recording.fail("a launch through Triton's own path")
         kernel[grid](*args, **keywords)
         return
     device = torch.cuda.current_device()
@@ -134,6 +139,8 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     key = (id(kernel), device, arguments, tuple(keywords.items()))  # (hashing a JITFunction takes a lock)
     known = _LAUNCHES.get(key)
     if known is None:
+        if recording is not None:
+            recording.fail("a launch through Triton's own path")
         compiled = kernel[grid](*args, **keywords)
         params = kernel.params[len(args):]
         if all(p.is_constexpr for p in params):  # else a runtime argument came by keyword: not a fixed tail
@@ -144,13 +151,22 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
                               tail)
         return
     _, compiled, run, before, function, metadata, tail = known
-    grid = (*grid, 1, 1)
+    grid = (*grid, 1, 1)[:3]
     stream = torch._C._cuda_getCurrentRawStream(device)
     runtime = triton.knobs.runtime
     enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
     described = None if enter is None and leave is None else compiled.launch_metadata(
-        grid[:3], stream, *args, *tail)  # what a hook (a profiler) is told
+        grid, stream, *args, *tail)  # what a hook (a profiler) is told
+    if recording is not None:
+        recording.launch(run, before, function, metadata, grid, device, torch._C._cuda_getCurrentRawStream,
+                         launch_hooks_set, args, values, tail)
     run(grid[0], grid[1], grid[2], stream, function, *before, metadata, described, enter, leave, *values, *tail)
+
+
+def launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is set (a chain that calls something)."""
+    runtime = triton.knobs.runtime
+    return _hook(runtime.launch_enter_hook) is not None or _hook(runtime.launch_exit_hook) is not None
 
 
 @triton.jit

@@ -10,10 +10,12 @@ import torch
 
 from nsa_inductor.indexer import hadamard_matrix
 from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.lowering import _host_plans as host_plans
 from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, assert_fp8_close, \
     assert_rows_close, assert_topk_valid, eager_topk_rows, integer_rows, \
     head_gate_partials64, paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, topk_logits
 from helpers.guards import Guarded
+from helpers.op_calls import CASES as OP_CALLS
 from helpers.reference64 import assert_logits_close
 
 pytestmark = [
@@ -754,3 +756,45 @@ def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
     (got_v, got_s), (want_v, want_s) = layout.load(cache, every, dtype), layout.load(want, every, dtype)
     torch.testing.assert_close(got_s, want_s, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(got_v.float(), want_v.float(), equal_nan=True, rtol=0, atol=0)
+
+
+def _filled(a):
+    """A case's argument on the GPU with random values (index tensors as they are)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.dtype in (torch.float32, torch.bfloat16):
+        return torch.randn(a.shape, device=DEV).to(a.dtype)
+    if a.dtype in (FN, FNUZ):
+        return torch.randn(a.shape, device=DEV).clamp(-400, 400).to(a.dtype)
+    if a.dtype == torch.uint8:  # a K cache: random values, positive finite scales
+        cache = torch.randint(0, 120, a.shape, dtype=torch.uint8, device=DEV)
+        return cache
+    return a.to(DEV)
+
+
+@pytest.mark.parametrize("case", list(OP_CALLS))
+def test_replayed_calls_equal_the_ops_own(case, monkeypatch):
+    """Host plans (lowering/_host_plans.py): from its third call a signature replays its plan; each replay's outputs
+    and written arguments equal, bit for bit, what the op itself computes from the same arguments (top-k rows as
+    sets in set order)."""
+    replays = []
+    replay = host_plans.Plan.replay
+    monkeypatch.setattr(host_plans.Plan, "replay", lambda plan, a: replays.append(1) or replay(plan, a))
+    for _ in range(4):
+        op, args = OP_CALLS[case]()
+        args = [_filled(a) for a in args]
+        again = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        got = op(*args)
+        with monkeypatch.context() as m:
+            m.setattr(host_plans, "run", lambda name, body, a: body(*a))  # the op in full
+            want = op(*again)
+        outputs = [(g, w) for g, w in zip(*((o if isinstance(o, tuple) else (o,)) for o in (got, want)))]
+        outputs += [(g, w) for g, w in zip(args, again) if isinstance(g, torch.Tensor)]  # what it wrote
+        for g, w in outputs:
+            if g is None:
+                continue
+            if "top-k" in case and g.dtype == torch.int32 and g.shape == w.shape and not args[5:6] == [True]:
+                g, w = g.sort(dim=-1).values, w.sort(dim=-1).values
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), case
+    assert len(replays) == 2

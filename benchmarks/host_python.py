@@ -1,0 +1,67 @@
+"""The host's Python of one call of each nsa op, measured on any machine (a CPU one included): the machine made an
+H200 as the ops see it and Triton's compile and launch replaced by a log (``tests/helpers/simulated_gpu.py``), so
+the figures are the dispatcher, the op's checks and choices, its allocations and the launch cache's Python, without
+Triton's C launcher and the driver (those: ``kernels.py --only host`` on a GPU). Each case of
+``tests/helpers/op_calls.py`` with host plans (replayed from a signature's third call) and without
+(``NSA_INDUCTOR_DISABLE_HOST_PLANS``), median of 5 rounds of ``--calls`` back-to-back calls.
+
+    python benchmarks/host_python.py [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers package
+
+import nsa_inductor.capability as cap_mod  # noqa: E402
+from helpers.op_calls import CASES  # noqa: E402
+from helpers.simulated_gpu import simulated_h200  # noqa: E402
+
+
+def _us_per_call(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    rows = []
+    for plans in (True, False):
+        if plans:
+            os.environ.pop(cap_mod.ENV_DISABLE_HOST_PLANS, None)
+        else:
+            os.environ[cap_mod.ENV_DISABLE_HOST_PLANS] = "1"
+        with simulated_h200():
+            for case, make in CASES.items():
+                op, call = make()
+                rows.append((case, plans, _us_per_call(lambda: op(*call), args.calls)))
+    os.environ.pop(cap_mod.ENV_DISABLE_HOST_PLANS, None)
+    print("| call | µs with host plans | µs without | launches |\n|---|---:|---:|---:|")
+    with simulated_h200() as log:
+        for case, make in CASES.items():
+            op, call = make()
+            for _ in range(3):
+                op(*call)
+            start = len(log)
+            op(*call)
+            with_plans = next(us for c, p, us in rows if c == case and p)
+            without = next(us for c, p, us in rows if c == case and not p)
+            print(f"| {case} | {with_plans:.1f} | {without:.1f} | {len(log) - start} |")
+
+
+if __name__ == "__main__":
+    main()
