@@ -3,7 +3,8 @@ H200 as the ops see it and Triton's compile and launch replaced by a log (``test
 the figures are the dispatcher, the op's checks and choices, its allocations and the launch cache's Python, without
 Triton's C launcher and the driver (those: ``kernels.py --only host`` on a GPU). Each case of
 ``tests/helpers/op_calls.py`` with host plans (replayed from a signature's third call) and without
-(``NSA_INDUCTOR_DISABLE_HOST_PLANS``), median of 5 rounds of ``--calls`` back-to-back calls.
+(``NSA_INDUCTOR_DISABLE_HOST_PLANS``), median of 5 rounds of ``--calls`` back-to-back calls; last, the floor: a
+dispatcher kernel doing nothing, with the store's schema.
 
     python benchmarks/host_python.py [--calls 2000]
 """
@@ -61,6 +62,18 @@ def main() -> None:
             with_plans = next(us for c, p, us in rows if c == case and p)
             without = next(us for c, p, us in rows if c == case and not p)
             print(f"| {case} | {with_plans:.1f} | {without:.1f} | {len(log) - start} |")
+    print(f"\nA dispatcher kernel doing nothing, the store's schema and arguments: {_dispatcher_floor(args.calls):.1f} µs")
+
+
+def _dispatcher_floor(calls: int) -> float:
+    """µs per call of a dispatcher kernel doing nothing, with ``nsa.quant_cache_store``'s schema and arguments."""
+    import torch
+
+    library = torch.library.Library("nsa_host_bench", "DEF")
+    library.define("store_noop" + str(torch.ops.nsa.quant_cache_store.default._schema).split("quant_cache_store", 1)[1])
+    library.impl("store_noop", lambda *args: None, "CPU")
+    _, call = CASES["store"]()
+    return _us_per_call(lambda: torch.ops.nsa_host_bench.store_noop(*call), calls)
 
 
 if __name__ == "__main__":

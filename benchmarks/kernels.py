@@ -353,7 +353,8 @@ def _host_us(fn, calls: int = 200) -> tuple[float, float]:
 
 def bench_host(args, rows: list[dict]) -> None:
     """Host cost of one call of each nsa op at decode sizes (DeepSeek-V3.2, B=64, ctx 8192; the prefill ops at
-    T=256): back-to-back calls through ``torch.ops.nsa`` (as compiled code calls them), the launcher alone (the
+    T=256): back-to-back calls through ``torch.ops.nsa`` (as compiled code calls them; replayed host plans from a
+    signature's third call, ``NSA_INDUCTOR_DISABLE_HOST_PLANS=1`` for the full path), the launcher alone (the
     Triton launch without custom-op dispatch and checks), and a plain torch op on the op's output (``torch.clone``),
     each against its GPU time (CUDA events over replays of a CUDA graph of the calls); then the floor of
     custom-op dispatch (``_custom_op_floor``)."""
