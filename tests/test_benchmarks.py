@@ -174,3 +174,18 @@ def test_topk_ab_cells_parse_and_name_what_exists():
     assert ab._unknown(ab.parse_cell("8x8192:programs=4:@RADIX_SMALL_BLOCK=1024"), older) == [
         "programs", "@RADIX_SMALL_BLOCK"]
     assert ab._unknown(ab.parse_cell("8x8192:sorted"), older) == []
+
+
+def test_host_python_prints_every_call_with_and_without_plans(capsys, monkeypatch):
+    """``benchmarks/host_python.py``: a row per op call of ``helpers/op_calls.py``, each with its launches counted."""
+    spec = importlib.util.spec_from_file_location("benchmarks_host_python", ROOT / "benchmarks" / "host_python.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the script puts tests/ first)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["host_python.py", "--calls", "2"])
+    module.main()
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "µs" not in line]
+    assert [row[0].removeprefix("| ") for row in rows] == list(module.CASES)
+    assert all(int(row[3].rstrip(" |")) >= 1 for row in rows)
+    assert "doing nothing" in out
