@@ -188,3 +188,18 @@ def test_a_tensor_inside_an_argument_is_its_address_plus_an_offset():
     assert recording._where(buf[10:].view(torch.int32)) == (host_plans.ARGUMENT, 1, 40)
     assert recording._where(buf) == (host_plans.ARGUMENT, 1, 0)
     assert recording._where(torch.zeros(3)) is None  # of no argument or allocation
+
+
+def test_an_aiter_call_never_has_a_plan(launches, monkeypatch):
+    """aiter's kernels launch outside ``launch``: a call routed to aiter never records, even one whose every launch
+    went through it (here the Triton function stands in for aiter's)."""
+    monkeypatch.setattr(_common, "choose_backend", lambda op, device, *a, **k: "aiter")
+    monkeypatch.setattr(_common, "_function", lambda op, backend: _function(op, "triton"))
+    assert _decided(*CASES["top-k 64 x 8192 set"]()) is None
+
+
+def test_index_checks_keep_running_every_call(launches, monkeypatch):
+    """With NSA_INDUCTOR_CHECKS the op asserts its indices (ATen ops reading device values): no plan skips them."""
+    monkeypatch.setenv(cap_mod.ENV_CHECKS, "1")
+    cap_mod.capability.cache_clear()
+    assert _decided(*CASES["paged logits"]()) is None
