@@ -3,8 +3,9 @@ H200 as the ops see it and Triton's compile and launch replaced by a log (``test
 the figures are the dispatcher, the op's checks and choices, its allocations and the launch cache's Python, without
 Triton's C launcher and the driver (those: ``kernels.py --only host`` on a GPU). Each case of
 ``tests/helpers/op_calls.py`` with host plans (replayed from a signature's third call) and without
-(``NSA_INDUCTOR_DISABLE_HOST_PLANS``), median of 5 rounds of ``--calls`` back-to-back calls; last, the floor: a
-dispatcher kernel doing nothing, with the store's schema.
+(``NSA_INDUCTOR_DISABLE_HOST_PLANS``), median of 5 rounds of ``--calls`` back-to-back calls, and the one call
+that records a signature's plan (its second); last, the floor: a dispatcher kernel doing nothing, with the store's
+schema.
 
     python benchmarks/host_python.py [--calls 2000]
 """
@@ -20,6 +21,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers package
 
 import nsa_inductor.capability as cap_mod  # noqa: E402
+from nsa_inductor.lowering import _host_plans as host_plans  # noqa: E402
 from helpers.op_calls import CASES  # noqa: E402
 from helpers.simulated_gpu import simulated_h200  # noqa: E402
 
@@ -51,7 +53,7 @@ def main() -> None:
                 op, call = make()
                 rows.append((case, plans, _us_per_call(lambda: op(*call), args.calls)))
     os.environ.pop(cap_mod.ENV_DISABLE_HOST_PLANS, None)
-    print("| call | µs with host plans | µs without | launches |\n|---|---:|---:|---:|")
+    print("| call | µs with host plans | µs without | the recording call's µs | launches |\n|---|---:|---:|---:|---:|")
     with simulated_h200() as log:
         for case, make in CASES.items():
             op, call = make()
@@ -59,10 +61,23 @@ def main() -> None:
                 op(*call)
             start = len(log)
             op(*call)
+            launches = len(log) - start
             with_plans = next(us for c, p, us in rows if c == case and p)
             without = next(us for c, p, us in rows if c == case and not p)
-            print(f"| {case} | {with_plans:.1f} | {without:.1f} | {len(log) - start} |")
+            print(f"| {case} | {with_plans:.1f} | {without:.1f} | {_recording_us(op, call):.1f} | {launches} |")
     print(f"\nA dispatcher kernel doing nothing, the store's schema and arguments: {_dispatcher_floor(args.calls):.1f} µs")
+
+
+def _recording_us(op, call) -> float:
+    """µs of the call that records a signature's plan (its second), median of 25."""
+    times = []
+    for _ in range(25):
+        host_plans.clear()
+        op(*call)
+        start = time.perf_counter()
+        op(*call)
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times)[12]
 
 
 def _dispatcher_floor(calls: int) -> float:
