@@ -766,9 +766,8 @@ def _filled(a):
         return torch.randn(a.shape, device=DEV).to(a.dtype)
     if a.dtype in (FN, FNUZ):
         return torch.randn(a.shape, device=DEV).clamp(-400, 400).to(a.dtype)
-    if a.dtype == torch.uint8:  # a K cache: random values, positive finite scales
-        cache = torch.randint(0, 120, a.shape, dtype=torch.uint8, device=DEV)
-        return cache
+    if a.dtype == torch.uint8:  # a K cache: bytes below 0x78, so positive finite fp8 values and scales
+        return torch.randint(0, 0x78, a.shape, dtype=torch.uint8, device=DEV)
     return a.to(DEV)
 
 
