@@ -14,7 +14,7 @@ offset) and what it returned (allocations or arguments). One is made only where 
 ran the Triton implementation, every kernel went through ``_triton_common.launch`` and hit that cache, its only ATen
 ops were allocations and views, each tensor a launch took lies in the storage of exactly one argument or allocation,
 and it returned allocations or arguments themselves. Otherwise the signature is marked and always runs the op in
-full. No plan is recorded or replayed while a CUDA graph is captured (the ops' side streams; a graph's replay costs
+full (a Triton call logs why, once, at INFO). No plan is recorded or replayed while a CUDA graph is captured (the ops' side streams; a graph's replay costs
 no host time anyway), while a Triton launch hook is set (a profiler that wants each launch described), or on another
 current device than the recorded one. As ``launch`` does, plans take the module constants the launchers read as fixed
 for the process. ``NSA_INDUCTOR_DISABLE_HOST_PLANS=1`` runs every call in full.
@@ -22,6 +22,7 @@ for the process. ``NSA_INDUCTOR_DISABLE_HOST_PLANS=1`` runs every call in full.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capability import capability
 
 aten = torch.ops.aten
+log = logging.getLogger("nsa_inductor")
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _MAX_SIGNATURES = 4096
@@ -84,7 +86,10 @@ def run(op: str, body: Callable, args: tuple) -> Any:
             out = body(*args)
     finally:
         _RECORDING.current = outer
-    _remember(_PLANS, key, current.plan(out))
+    plan = current.plan(out)
+    if plan is None and current.backend == "triton":  # (the reference and aiter never have plans)
+        log.info("nsa_inductor: nsa.%s runs every call in full (no host plan): %s", op, current.failure)
+    _remember(_PLANS, key, plan)
     return out
 
 
@@ -96,8 +101,10 @@ def recording() -> Recording | None:
 def note_backend(backend: str) -> None:
     """An op call chose its implementation: only a Triton one can have a plan (aiter's kernels launch elsewhere)."""
     current = recording()
-    if current is not None and backend != "triton":
-        current.fail(f"the {backend} implementation ran")
+    if current is not None:
+        current.backend = backend if current.backend in (None, backend) else "several"
+        if backend != "triton":
+            current.fail(f"the {backend} implementation ran")
 
 
 def clear() -> None:
@@ -128,6 +135,7 @@ class Recording(TorchDispatchMode):
         self.stream: Callable | None = None
         self.hooks_set: Callable | None = None
         self.failure: str | None = None
+        self.backend: str | None = None  # the implementation the call chose
         # (where, index, address, storage address) of every tensor a launch may take
         self.owners = [(ARGUMENT, i, a.data_ptr(), a.untyped_storage().data_ptr())
                        for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -141,7 +149,7 @@ class Recording(TorchDispatchMode):
             self.owners.append((ALLOCATION, len(self.allocations), out.data_ptr(), out.untyped_storage().data_ptr()))
             self.allocations.append(out)
         elif func not in _VIEWS:
-            self.fail(f"ATen op {func}")
+            self.fail(f"the ATen op {func}, which a plan does not replay")
         return out
 
     def launch(self, run, before: tuple, function, metadata, grid: tuple, device: int, stream: Callable,

@@ -113,7 +113,7 @@ def _decided(op, args) -> object:
 
 
 @pytest.mark.parametrize("case", ["copied input", "one tensor twice", "a view returned", "empty tensors"])
-def test_a_call_a_plan_cannot_stand_for_runs_in_full(launches, monkeypatch, case):
+def test_a_call_a_plan_cannot_stand_for_runs_in_full(launches, monkeypatch, caplog, case):
     """Empty tensors share their (null) storage address: which one a launch or an output is, is unknown."""
     logits, lengths = torch.empty(64, 8192), _lengths(64, 1, 8192)
     if case == "empty tensors":
@@ -127,7 +127,11 @@ def test_a_call_a_plan_cannot_stand_for_runs_in_full(launches, monkeypatch, case
         monkeypatch.setattr(_common, "_function", lambda op, backend: (
             lambda *a: _function(op, backend)(*a)[:, :1]) if op == "head_gate_gemm" else _function(op, backend))
         op, args = head_gate, (torch.empty(64, 7168, dtype=torch.bfloat16), torch.empty(64, 7168), 4, False)
-    assert _decided(op, args) is None
+    with caplog.at_level("INFO", logger="nsa_inductor"):
+        assert _decided(op, args) is None
+    why = {"copied input": "aten.clone", "one tensor twice": "of several", "a view returned": "an output",
+           "empty tensors": "an output"}[case]
+    assert [r.getMessage() for r in caplog.records if "no host plan" in r.getMessage() and why in r.getMessage()]
     before = len(launches)
     op(*args)
     assert len(launches) > before or case == "empty tensors"  # the op itself ran
@@ -136,15 +140,18 @@ def test_a_call_a_plan_cannot_stand_for_runs_in_full(launches, monkeypatch, case
 _function = _common._function
 
 
-def test_the_torch_reference_never_has_a_plan():
-    """On a CPU machine the ops run their references: recorded once (their ATen ops), never replayed."""
+def test_the_torch_reference_never_has_a_plan(caplog):
+    """On a CPU machine the ops run their references: recorded once (their ATen ops), never replayed, and not
+    logged as a call without a plan (there is nothing to say)."""
     host_plans.clear()
     logits = torch.randn(4, 300)
     want = torch.topk(logits, 20).indices.sort(dim=1).values
-    for _ in range(3):
-        got = nsa.topk_indices(logits, 20)
-        assert torch.equal(got.long().sort(dim=1).values, want)
+    with caplog.at_level("INFO", logger="nsa_inductor"):
+        for _ in range(3):
+            got = nsa.topk_indices(logits, 20)
+            assert torch.equal(got.long().sort(dim=1).values, want)
     assert host_plans._PLANS[host_plans.signature("topk_indices", (logits, 20))] is None
+    assert not [r for r in caplog.records if "no host plan" in r.getMessage()]
     host_plans.clear()
 
 
