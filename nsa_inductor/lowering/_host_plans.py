@@ -207,11 +207,12 @@ class Plan:
         self.device, self.stream, self.hooks_set = device, stream, hooks_set
 
     def usable(self) -> bool:
-        """Whether this call may replay it: no launch hook set, the recorded current device, no graph captured."""
+        """Whether this call may replay it: no launch hook set, the recorded current device, no graph captured.
+        (torch's C functions: CUDA is initialized where a plan launches, and the Python wrappers cost ~µs a call.)"""
         if not self.launches:
             return True
-        return (not self.hooks_set() and torch.cuda.current_device() == self.device
-                and not torch.cuda.is_current_stream_capturing())
+        return (not self.hooks_set() and torch._C._cuda_getDevice() == self.device
+                and not torch._C._cuda_isCurrentStreamCapturing())
 
     def replay(self, args: tuple) -> Any:
         allocations = [torch.empty_strided(size, stride, dtype=dtype, device=device)

@@ -165,8 +165,10 @@ def test_a_plan_is_not_replayed(launches, monkeypatch, when):
         monkeypatch.setattr(hook, "calls", [lambda metadata: None])
     elif when == "a graph is captured":
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True, raising=False)
     else:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
     monkeypatch.setattr(host_plans.Plan, "replay", lambda plan, a: pytest.fail("replayed"))
     before = len(launches)
     op(*args)
