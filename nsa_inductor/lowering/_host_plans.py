@@ -8,9 +8,10 @@ strides, dtype, device and 16-byte alignment, and every other argument's value (
 value). So the second call of a signature records what the op did (the first compiled its kernels), and from the
 third on the op allocates what it allocated and launches what it launched, at this call's addresses.
 
-A plan holds the tensors the call allocated (sizes, strides, dtype, device), its launches (Triton's launcher, grid,
-kernel metadata, constexprs; each argument a literal or an address: an argument's or an allocation's, plus a byte
-offset) and what it returned (allocations or arguments). One is made only where everything the op did is known: it
+A plan holds the tensors the call allocated and returned (sizes, strides, dtype, device), the bytes of the scratch it
+allocated and did not return (one buffer when replayed: one allocation, not several), its launches (Triton's
+launcher, grid, kernel metadata, constexprs; each argument a literal or an address: an argument's, an output's or
+the scratch buffer's, plus a byte offset) and what it returned (allocations or arguments). One is made only where everything the op did is known: it
 ran the Triton implementation, every kernel went through ``_triton_common.launch`` and hit that cache, its only ATen
 ops were allocations and views, each tensor a launch took lies in the storage of exactly one argument or allocation,
 and it returned allocations or arguments themselves. Otherwise the signature is marked and always runs the op in
@@ -42,8 +43,10 @@ _VIEWS = frozenset({aten.view.default, aten.view.dtype, aten._unsafe_view.defaul
                     aten.slice.Tensor, aten.select.int, aten.as_strided.default, aten.t.default, aten.transpose.int,
                     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
                     aten.detach.default})
-# where a launch argument or an output comes from: a literal, an argument of the call, an allocation of the call
-LITERAL, ARGUMENT, ALLOCATION = 0, 1, 2
+# where a launch argument or an output comes from: a literal, an argument of the call, an allocation of the call (as
+# recorded); in a plan an allocation is an output, or scratch: a byte offset into one buffer for all of the call's
+LITERAL, ARGUMENT, ALLOCATION, OUTPUT, SCRATCH = 0, 1, 2, 3, 4
+SCRATCH_ALIGNMENT = 512  # bytes, as the CUDA caching allocator aligns its blocks
 
 _PLANS: dict[tuple, Plan | None] = {}  # None: the signature has no plan and never records again
 _SEEN: dict[tuple, None] = {}  # signatures called once
@@ -188,22 +191,44 @@ class Recording(TorchDispatchMode):
         return where[:2]
 
     def plan(self, out) -> Plan | None:
-        """The call's plan, or None where it cannot have one."""
+        """The call's plan, or None where it cannot have one. The allocations it returns stay tensors of their own;
+        the others (scratch the launches use) become ranges of one buffer: one allocation a replay, not several."""
         outputs = [self._output(t) for t in (out if isinstance(out, tuple) else (out,))]
         if any(o is None for o in outputs):
             self.fail("an output that is not an allocation or an argument")
+        if len({a.device for a in self.allocations}) > 1:
+            self.fail("allocations on several devices")
         if self.failure is not None:
             return None
-        allocations = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in self.allocations)
-        return Plan(allocations, tuple(self.launches), tuple(outputs), isinstance(out, tuple), self.device,
-                    self.stream, self.hooks_set)
+        returned = sorted({index for where, index in outputs if where == ALLOCATION})
+        kept = {j: k for k, j in enumerate(returned)}
+        scratch, size = {}, 0
+        for j, a in enumerate(self.allocations):
+            if j not in kept:
+                scratch[j] = size
+                size += -(-a.untyped_storage().nbytes() // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+
+        def planned(where, index, offset=0):
+            if where != ALLOCATION:
+                return where, index, offset
+            return (OUTPUT, kept[index], offset) if index in kept else (SCRATCH, None, scratch[index] + offset)
+
+        launches = tuple((*launch[:5], tuple(planned(*where) for where in launch[5]), launch[6])
+                         for launch in self.launches)
+        allocations = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in
+                            (self.allocations[j] for j in returned))
+        device = self.allocations[0].device if self.allocations else None
+        return Plan(allocations, size, device, launches, tuple(planned(*o)[:2] for o in outputs),
+                    isinstance(out, tuple), self.device, self.stream, self.hooks_set)
 
 
 class Plan:
     """A recorded call: replay it with another call's arguments of the same signature."""
 
-    def __init__(self, allocations, launches, outputs, as_tuple, device, stream, hooks_set):
-        self.allocations, self.launches, self.outputs, self.as_tuple = allocations, launches, outputs, as_tuple
+    def __init__(self, allocations, scratch_bytes, scratch_device, launches, outputs, as_tuple, device, stream,
+                 hooks_set):
+        self.allocations, self.scratch_bytes, self.scratch_device = allocations, scratch_bytes, scratch_device
+        self.launches, self.outputs, self.as_tuple = launches, outputs, as_tuple
         self.device, self.stream, self.hooks_set = device, stream, hooks_set
 
     def usable(self) -> bool:
@@ -218,10 +243,15 @@ class Plan:
         allocations = [torch.empty_strided(size, stride, dtype=dtype, device=device)
                        for size, stride, dtype, device in self.allocations]
         if self.launches:
+            # freed when the replay returns, after its launches are queued: the stream orders its next use
+            scratch = self.scratch_bytes and torch.empty(self.scratch_bytes, dtype=torch.uint8,
+                                                         device=self.scratch_device)
+            base = scratch.data_ptr() if self.scratch_bytes else 0
             stream = self.stream(self.device)
             for run, before, function, metadata, grid, template, tail in self.launches:
-                values = [x if where == LITERAL else (args[x] if where == ARGUMENT else allocations[x]).data_ptr()
-                          + offset for where, x, offset in template]
+                values = [x if where == LITERAL else base + offset if where == SCRATCH else
+                          (args[x] if where == ARGUMENT else allocations[x]).data_ptr() + offset
+                          for where, x, offset in template]
                 run(*grid, stream, function, *before, metadata, None, None, None, *values, *tail)  # no hooks
         outputs = [x if where == LITERAL else args[x] if where == ARGUMENT else allocations[x]
                    for where, x in self.outputs]
