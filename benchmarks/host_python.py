@@ -53,7 +53,8 @@ def main() -> None:
                 op, call = make()
                 rows.append((case, plans, _us_per_call(lambda: op(*call), args.calls)))
     os.environ.pop(cap_mod.ENV_DISABLE_HOST_PLANS, None)
-    print("| call | µs with host plans | µs without | the recording call's µs | launches |\n|---|---:|---:|---:|---:|")
+    print("| call | µs with host plans | µs without | the recording call's µs | launches |")
+    print("|---|---:|---:|---:|---:|")
     with simulated_h200() as log:
         for case, make in CASES.items():
             op, call = make()
@@ -65,7 +66,8 @@ def main() -> None:
             with_plans = next(us for c, p, us in rows if c == case and p)
             without = next(us for c, p, us in rows if c == case and not p)
             print(f"| {case} | {with_plans:.1f} | {without:.1f} | {_recording_us(op, call):.1f} | {launches} |")
-    print(f"\nA dispatcher kernel doing nothing, the store's schema and arguments: {_dispatcher_floor(args.calls):.1f} µs")
+    floor = _dispatcher_floor(args.calls)
+    print(f"\nA dispatcher kernel doing nothing, the store's schema and arguments: {floor:.1f} µs")
 
 
 def _recording_us(op, call) -> float:

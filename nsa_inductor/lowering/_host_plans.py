@@ -8,17 +8,18 @@ strides, dtype, device and 16-byte alignment, and every other argument's value (
 value). So the second call of a signature records what the op did (the first compiled its kernels), and from the
 third on the op allocates what it allocated and launches what it launched, at this call's addresses.
 
-A plan holds the tensors the call allocated and returned (sizes, strides, dtype, device), the bytes of the scratch it
-allocated and did not return (one buffer when replayed: one allocation, not several), its launches (Triton's
+A plan holds the tensors the call allocated and returned (sizes, strides, dtype, device), the bytes of the scratch
+it allocated and did not return (one buffer when replayed: one allocation, not several), its launches (Triton's
 launcher, grid, kernel metadata, constexprs; each argument a literal or an address: an argument's, an output's or
-the scratch buffer's, plus a byte offset) and what it returned (allocations or arguments). One is made only where everything the op did is known: it
-ran the Triton implementation, every kernel went through ``_triton_common.launch`` and hit that cache, its only ATen
-ops were allocations and views, each tensor a launch took lies in the storage of exactly one argument or allocation,
-and it returned allocations or arguments themselves. Otherwise the signature is marked and always runs the op in
-full (a Triton call logs why, once, at INFO). No plan is recorded or replayed while a CUDA graph is captured (the ops' side streams; a graph's replay costs
-no host time anyway), while a Triton launch hook is set (a profiler that wants each launch described), or on another
-current device than the recorded one. As ``launch`` does, plans take the module constants the launchers read as fixed
-for the process. ``NSA_INDUCTOR_DISABLE_HOST_PLANS=1`` runs every call in full.
+the scratch buffer's, plus a byte offset) and what it returned (allocations or arguments). One is made only where
+everything the op did is known: it ran the Triton implementation, every kernel went through
+``_triton_common.launch`` and hit that cache, its only ATen ops were allocations and views, each tensor a launch
+took lies in the storage of exactly one argument or allocation, and it returned allocations or arguments themselves.
+Otherwise the signature is marked and always runs the op in full (a Triton call logs why, once, at INFO). No plan is
+recorded or replayed while a CUDA graph is captured (the ops' side streams; a graph's replay costs no host time
+anyway), while a Triton launch hook is set (a profiler that wants each launch described), or on another current
+device than the recorded one. As ``launch`` does, plans take the module constants the launchers read as fixed for
+the process. ``NSA_INDUCTOR_DISABLE_HOST_PLANS=1`` runs every call in full.
 """
 
 from __future__ import annotations
