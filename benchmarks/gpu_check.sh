@@ -9,7 +9,8 @@
 # sweep: `end_to_end.py --sweep` (no GPU tests): cells start until SWEEP_BUDGET_S (default 420) seconds after this
 # script started, the rest are listed as not run; SWEEP_CELLS picks cells (e.g. "B1,prefill"), SWEEP_ARGS adds
 # options, SWEEP_PREVIOUS=path/sweep.json (a file in the working tree) is appended to. Results: $OUT/sweep/.
-# host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`).
+# host: host cost of one call of each nsa op against its GPU time (`kernels.py --only host`), and the ops' Python
+# alone, with and without host plans, on this machine's host (`host_python.py`).
 # decode: GPU tests, the top-k and paged-logits cells, decode steps as engines run them (`--graph-replay`: ten steps
 # captured in one CUDA graph by hand) at B=64 ctx 8192 in torch's order and set order, B=8, B=1 ctx 32768; GPU time
 # per kernel of the B=64 and B=1 steps (profile_decode.py).
@@ -72,7 +73,8 @@ case "$mode" in
             --out "$OUT/engine_prefill" 2>&1 | tee "$OUT/engine_prefill.log" | tail -n 5
           python3 benchmarks/end_to_end.py --engine --prefill 0 --cuda-graphs --variants eager,nsa_rocm \
             --out "$OUT/engine_decode" 2>&1 | tee "$OUT/engine_decode.log" | tail -n 5 ;;
-  host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3 ;;
+  host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3
+        python3 benchmarks/host_python.py --calls 1000 2>&1 | tee "$OUT/host_python.log" | grep -E "^\||nothing" ;;
   decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \
             | tee "$OUT/bench.log" | tail -n 5
           for cell in "64 8192 sorted" "64 8192 set" "8 8192 sorted" "1 32768 sorted"; do
