@@ -238,3 +238,31 @@ def test_index_checks_keep_running_every_call(launches, monkeypatch):
     monkeypatch.setenv(cap_mod.ENV_CHECKS, "1")
     cap_mod.capability.cache_clear()
     assert _decided(*CASES["paged logits"]()) is None
+
+
+def test_threads_record_and_replay_on_their_own(launches, monkeypatch):
+    """A recording is its thread's (the dispatch mode and the current recording are thread-local): with calls from
+    several threads at once, each a signature's first, second or later, every call makes its own launches, no more
+    and no fewer, and the plan left replays what the op launches."""
+    import threading
+
+    case, errors = "top-k 8 x 8192 sorted, columns", []
+
+    def calls():
+        try:
+            for _ in range(5):
+                op, args = CASES[case]()
+                op(*args)
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=calls) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(launches) == 4 * 5 * 4  # threads x calls x this top-k's launches
+    op, args = CASES[case]()
+    _assert_same_launches(_call(op, args, launches, monkeypatch, direct=False),
+                          _call(op, args, launches, monkeypatch, direct=True))
