@@ -71,9 +71,10 @@ def signature(op: str, args: tuple) -> tuple | None:
 def run(op: str, body: Callable, args: tuple) -> Any:
     """``body(*args)``, the op's implementation, or its plan's replay where the signature has one."""
     key = None if capability().host_plans_disabled else signature(op, args)
-    if key is None:
-        return body(*args)
-    plan = _PLANS.get(key, _PLANS)  # (_PLANS: not decided yet)
+    try:
+        plan = _PLANS.get(key, _PLANS) if key is not None else None  # (_PLANS: not decided yet)
+    except TypeError:  # an argument that cannot be hashed (a list): no plan
+        plan = None
     if plan is None:
         return body(*args)
     if plan is not _PLANS:

@@ -266,3 +266,9 @@ def test_threads_record_and_replay_on_their_own(launches, monkeypatch):
     op, args = CASES[case]()
     _assert_same_launches(_call(op, args, launches, monkeypatch, direct=False),
                           _call(op, args, launches, monkeypatch, direct=True))
+
+
+def test_an_argument_that_cannot_be_hashed_runs_the_op_in_full():
+    called = []
+    assert host_plans.run("an_op", lambda *a: called.append(a) or 7, (torch.zeros(2), [1, 2])) == 7
+    assert len(called) == 1 and not host_plans._SEEN
