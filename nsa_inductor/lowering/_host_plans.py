@@ -215,13 +215,28 @@ class Recording(TorchDispatchMode):
                 return where, index, offset
             return (OUTPUT, kept[index], offset) if index in kept else (SCRATCH, None, scratch[index] + offset)
 
-        launches = tuple((*launch[:5], tuple(planned(*where) for where in launch[5]), launch[6])
+        launches = tuple(_launch_call(*launch[:5], [planned(*where) for where in launch[5]], launch[6])
                          for launch in self.launches)
         allocations = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in
                             (self.allocations[j] for j in returned))
         device = self.allocations[0].device if self.allocations else None
         return Plan(allocations, size, device, launches, tuple(planned(*o)[:2] for o in outputs),
                     isinstance(out, tuple), self.device, self.stream, self.hooks_set)
+
+
+_STREAM = 3  # where the stream goes in a launcher's arguments: (grid x, y, z, stream, ...)
+
+
+def _launch_call(run, before, function, metadata, grid, template, tail) -> tuple:
+    """``(run, arguments, addresses)``: the launcher's arguments (as ``launch`` passes them, no hooks) with a
+    placeholder for the stream and each address, and where each address goes and comes from."""
+    call = [*grid, None, function, *before, metadata, None, None, None]
+    addresses = []
+    for where, x, offset in template:
+        if where != LITERAL:
+            addresses.append((len(call), where, x, offset))
+        call.append(x if where == LITERAL else None)
+    return run, [*call, *tail], tuple(addresses)
 
 
 class Plan:
@@ -250,11 +265,13 @@ class Plan:
                                                          device=self.scratch_device)
             base = scratch.data_ptr() if self.scratch_bytes else 0
             stream = self.stream(self.device)
-            for run, before, function, metadata, grid, template, tail in self.launches:
-                values = [x if where == LITERAL else base + offset if where == SCRATCH else
-                          (args[x] if where == ARGUMENT else allocations[x]).data_ptr() + offset
-                          for where, x, offset in template]
-                run(*grid, stream, function, *before, metadata, None, None, None, *values, *tail)  # no hooks
+            for run, call, addresses in self.launches:
+                call = call.copy()
+                call[_STREAM] = stream
+                for position, where, x, offset in addresses:
+                    call[position] = base + offset if where == SCRATCH else (
+                        args[x] if where == ARGUMENT else allocations[x]).data_ptr() + offset
+                run(*call)
         outputs = [x if where == LITERAL else args[x] if where == ARGUMENT else allocations[x]
                    for where, x in self.outputs]
         return tuple(outputs) if self.as_tuple else outputs[0]
