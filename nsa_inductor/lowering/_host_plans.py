@@ -137,7 +137,6 @@ class Recording(TorchDispatchMode):
         self.allocations: list[torch.Tensor] = []
         self.launches: list[tuple] = []
         self.device: int | None = None
-        self.stream: Callable | None = None
         self.hooks_set: Callable | None = None
         self.failure: str | None = None
         self.backend: str | None = None  # the implementation the call chose
@@ -157,8 +156,8 @@ class Recording(TorchDispatchMode):
             self.fail(f"the ATen op {func}, which a plan does not replay")
         return out
 
-    def launch(self, run, before: tuple, function, metadata, grid: tuple, device: int, stream: Callable,
-               hooks_set: Callable, args: tuple, values: list, tail: tuple) -> None:
+    def launch(self, run, before: tuple, function, metadata, grid: tuple, device: int, hooks_set: Callable,
+               args: tuple, values: list, tail: tuple) -> None:
         """A launch from ``launch``'s cache: ``args`` as the launcher was given them, ``values`` as Triton's launcher
         takes them."""
         template = []
@@ -170,7 +169,7 @@ class Recording(TorchDispatchMode):
             template.append(where)
         if self.device not in (None, device):
             self.fail("launches on several devices")
-        self.device, self.stream, self.hooks_set = device, stream, hooks_set
+        self.device, self.hooks_set = device, hooks_set
         self.launches.append((run, before, function, metadata, grid, tuple(template), tail))
 
     def _where(self, t: torch.Tensor) -> tuple | None:
@@ -221,7 +220,7 @@ class Recording(TorchDispatchMode):
                             (self.allocations[j] for j in returned))
         device = self.allocations[0].device if self.allocations else None
         return Plan(allocations, size, device, launches, tuple(planned(*o)[:2] for o in outputs),
-                    isinstance(out, tuple), self.device, self.stream, self.hooks_set)
+                    isinstance(out, tuple), self.device, self.hooks_set)
 
 
 _STREAM = 3  # where the stream goes in a launcher's arguments: (grid x, y, z, stream, ...)
@@ -242,11 +241,10 @@ def _launch_call(run, before, function, metadata, grid, template, tail) -> tuple
 class Plan:
     """A recorded call: replay it with another call's arguments of the same signature."""
 
-    def __init__(self, allocations, scratch_bytes, scratch_device, launches, outputs, as_tuple, device, stream,
-                 hooks_set):
+    def __init__(self, allocations, scratch_bytes, scratch_device, launches, outputs, as_tuple, device, hooks_set):
         self.allocations, self.scratch_bytes, self.scratch_device = allocations, scratch_bytes, scratch_device
         self.launches, self.outputs, self.as_tuple = launches, outputs, as_tuple
-        self.device, self.stream, self.hooks_set = device, stream, hooks_set
+        self.device, self.hooks_set = device, hooks_set
 
     def usable(self) -> bool:
         """Whether this call may replay it: no launch hook set, the recorded current device, no graph captured.
@@ -264,7 +262,7 @@ class Plan:
             scratch = self.scratch_bytes and torch.empty(self.scratch_bytes, dtype=torch.uint8,
                                                          device=self.scratch_device)
             base = scratch.data_ptr() if self.scratch_bytes else 0
-            stream = self.stream(self.device)
+            stream = torch._C._cuda_getCurrentRawStream(self.device)
             for run, call, addresses in self.launches:
                 call = call.copy()
                 call[_STREAM] = stream

@@ -158,8 +158,7 @@ def launch(kernel, grid: tuple, *args, **keywords) -> None:
     described = None if enter is None and leave is None else compiled.launch_metadata(
         grid, stream, *args, *tail)  # what a hook (a profiler) is told
     if recording is not None:
-        recording.launch(run, before, function, metadata, grid, device, torch._C._cuda_getCurrentRawStream,
-                         launch_hooks_set, args, values, tail)
+        recording.launch(run, before, function, metadata, grid, device, launch_hooks_set, args, values, tail)
     run(grid[0], grid[1], grid[2], stream, function, *before, metadata, described, enter, leave, *values, *tail)
 
 
