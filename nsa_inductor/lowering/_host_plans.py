@@ -214,26 +214,28 @@ class Recording(TorchDispatchMode):
                 return where, index, offset
             return (OUTPUT, kept[index], offset) if index in kept else (SCRATCH, None, scratch[index] + offset)
 
-        launches = tuple(_launch_call(*launch[:5], [planned(*where) for where in launch[5]], launch[6])
+        sources: dict[tuple, int] = {}  # (where, index) of each address base: resolved once a replay
+        launches = tuple(_launch_call(*launch[:5], [planned(*where) for where in launch[5]], launch[6], sources)
                          for launch in self.launches)
         allocations = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in
                             (self.allocations[j] for j in returned))
         device = self.allocations[0].device if self.allocations else None
-        return Plan(allocations, size, device, launches, tuple(planned(*o)[:2] for o in outputs),
+        return Plan(allocations, size, device, tuple(sources), launches, tuple(planned(*o)[:2] for o in outputs),
                     isinstance(out, tuple), self.device, self.hooks_set)
 
 
 _STREAM = 3  # where the stream goes in a launcher's arguments: (grid x, y, z, stream, ...)
 
 
-def _launch_call(run, before, function, metadata, grid, template, tail) -> tuple:
+def _launch_call(run, before, function, metadata, grid, template, tail, sources: dict) -> tuple:
     """``(run, arguments, addresses)``: the launcher's arguments (as ``launch`` passes them, no hooks) with a
-    placeholder for the stream and each address, and where each address goes and comes from."""
+    placeholder for the stream and each address, and per address its position, its base (an index into
+    ``sources``, which gets the bases not seen yet) and its byte offset."""
     call = [*grid, None, function, *before, metadata, None, None, None]
     addresses = []
     for where, x, offset in template:
         if where != LITERAL:
-            addresses.append((len(call), where, x, offset))
+            addresses.append((len(call), sources.setdefault((where, x), len(sources)), offset))
         call.append(x if where == LITERAL else None)
     return run, [*call, *tail], tuple(addresses)
 
@@ -241,9 +243,10 @@ def _launch_call(run, before, function, metadata, grid, template, tail) -> tuple
 class Plan:
     """A recorded call: replay it with another call's arguments of the same signature."""
 
-    def __init__(self, allocations, scratch_bytes, scratch_device, launches, outputs, as_tuple, device, hooks_set):
+    def __init__(self, allocations, scratch_bytes, scratch_device, sources, launches, outputs, as_tuple, device,
+                 hooks_set):
         self.allocations, self.scratch_bytes, self.scratch_device = allocations, scratch_bytes, scratch_device
-        self.launches, self.outputs, self.as_tuple = launches, outputs, as_tuple
+        self.sources, self.launches, self.outputs, self.as_tuple = sources, launches, outputs, as_tuple
         self.device, self.hooks_set = device, hooks_set
 
     def usable(self) -> bool:
@@ -261,14 +264,14 @@ class Plan:
             # freed when the replay returns, after its launches are queued: the stream orders its next use
             scratch = self.scratch_bytes and torch.empty(self.scratch_bytes, dtype=torch.uint8,
                                                          device=self.scratch_device)
-            base = scratch.data_ptr() if self.scratch_bytes else 0
+            bases = [scratch.data_ptr() if where == SCRATCH else (args[x] if where == ARGUMENT else allocations[x]
+                                                                  ).data_ptr() for where, x in self.sources]
             stream = torch._C._cuda_getCurrentRawStream(self.device)
             for run, call, addresses in self.launches:
                 call = call.copy()
                 call[_STREAM] = stream
-                for position, where, x, offset in addresses:
-                    call[position] = base + offset if where == SCRATCH else (
-                        args[x] if where == ARGUMENT else allocations[x]).data_ptr() + offset
+                for position, source, offset in addresses:
+                    call[position] = bases[source] + offset
                 run(*call)
         outputs = [x if where == LITERAL else args[x] if where == ARGUMENT else allocations[x]
                    for where, x in self.outputs]
