@@ -232,6 +232,24 @@ def test_topk_window_meets_the_contract(rows, cols, kind, pad, sorted_):
     assert_topk_valid(logits, got.cpu(), 2048, lengths, None, pad, sorted_)
 
 
+@pytest.mark.parametrize("rows, cols, lengths, path", [
+    (64, 8192, None, "bisect"), (300, 8192, (1, 8192), "radix_row"), (8, 20000, None, "radix_split"),
+    (64, 65536, None, "radix_split"), (64, 65536, (7680, 8704), "radix_split"), (2, 32768, (0, 32769), "radix_split")])
+@pytest.mark.parametrize("kind", ["ties", "randn"])
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_topk_indices_is_deterministic(rows, cols, lengths, path, kind, sorted_):
+    """The same call gives the same output, slot for slot, in set order too: which ties are taken and where each
+    entry lands never depend on the order in which programs run (every path: 64 rows of 65536 without lengths bin
+    by their window after a bounds launch, with an engine's lengths by four programs a row; 2 rows sort by ranks)."""
+    logits = adversarial_topk_logits(rows, cols, kind, seed=rows).to(DEV)
+    row_lengths = None if lengths is None else torch.randint(
+        *lengths, (rows,), generator=torch.Generator().manual_seed(cols)).int().to(DEV)
+    calls = [_tk("topk_indices").topk_indices(logits, 2048, row_lengths, None, "neg1", sorted_, path=path)
+             for _ in range(3)]
+    for got in calls[1:]:
+        assert torch.equal(got, calls[0])
+
+
 def _aiter_topk_refusal() -> str | None:
     from nsa_inductor.capability import aiter_refusal, capability
 

@@ -39,7 +39,9 @@ def topk_indices(
 ) -> torch.Tensor:
     """``[R, k]`` int32: a top-k set of each row's first ``lengths[r]`` columns (all when ``None``; the others count
     as -inf), as column minus ``offset[r]``. Entries for -inf values are -1 (``pad="neg1"``) or distinct columns of
-    -inf entries (``pad="column"``). ``sorted``: descending value order (ties in any order); else any order."""
+    -inf entries (``pad="column"``). ``sorted``: descending value order (ties in any order); else any order. On
+    the Triton and torch paths the same call gives the same output, slot for slot (the ties taken and the order
+    never depend on how the GPU schedules programs); aiter's is not known to."""
     _validate(logits, k, lengths, offset, pad)
     run = implementation("topk_indices", logits.device, None, sorted=sorted)
     return run(logits.contiguous(), k, *contiguous(lengths, offset), pad, sorted)
