@@ -22,6 +22,7 @@ raises shows ``failed`` (the error printed once) and the others run. ``--kernels
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import inspect
 import json
@@ -74,15 +75,31 @@ def _unknown(spec: dict, tk) -> list[str]:
         f"@{c}" for c in spec["constants"] if not hasattr(tk, c)]
 
 
-def check_cells(cells: list[str]) -> None:
-    """Every cell parses and names keywords of ``topk_indices`` and constants of its module (as the working tree's
-    package has them): a typo fails here, before any copy runs; a copy without them shows ``n/a`` for the cell."""
-    from nsa_inductor.lowering.topk_indices import triton as tk
+def _names(folder: str) -> tuple[set[str], set[str]]:
+    """The keywords of a copy's ``topk_indices`` and its kernel module's top-level names, read from its source (the
+    copies are other revisions of one package: one process cannot import them all)."""
+    source = pathlib.Path(folder) / "nsa_inductor" / "lowering" / "topk_indices" / "triton.py"
+    keywords: set[str] = set()
+    constants: set[str] = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "topk_indices":
+            keywords = {a.arg for a in node.args.args + node.args.kwonlyargs}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            constants |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                          if isinstance(t, ast.Name)}
+    return keywords, constants
 
+
+def check_cells(cells: list[str], folders: list[str]) -> None:
+    """Every cell parses, and each keyword of ``topk_indices`` and constant of its module it names is in at least one
+    of the copies: a typo fails here, before any copy runs; a copy without one shows ``n/a`` for the cell."""
+    names = [_names(folder) for folder in folders]
     for cell in cells:
-        unknown = _unknown(parse_cell(cell), tk)
+        spec = parse_cell(cell)
+        unknown = [k for k in spec["keywords"] if not any(k in keywords for keywords, _ in names)] + [
+            f"@{c}" for c in spec["constants"] if not any(c in constants for _, constants in names)]
         if unknown:
-            raise SystemExit(f"cell {cell!r}: topk_indices has no {', '.join(unknown)}")
+            raise SystemExit(f"cell {cell!r}: no copy's topk_indices has {', '.join(unknown)}")
 
 
 def _inputs(spec: dict):
@@ -185,10 +202,10 @@ def main() -> None:
     cells = args.cells.split(",")
     if args.worker:
         return worker(cells, args.kernels, args.deadline)
-    check_cells(cells)
     if not args.pkg:
         parser.error("give at least one --pkg NAME=DIR")
     copies = [spec.split("=", 1) for spec in args.pkg]
+    check_cells(cells, [folder for _, folder in copies])
     times: dict[str, dict[str, list[str]]] = {cell: {} for cell in cells}
     for round_ in range(args.rounds):
         for name, folder in copies:

@@ -152,9 +152,10 @@ def test_topk_ab_worker_starts_no_cell_after_its_deadline(capsys, monkeypatch):
     assert called == [1, 1]  # the first cell's timing and its check; nothing profiled
 
 
-def test_topk_ab_cells_parse_and_name_what_exists():
+def test_topk_ab_cells_parse_and_name_what_exists(tmp_path):
     """``benchmarks/topk_ab.py``'s cells: order, lengths, values, keywords (ints, bools) and module constants read as
-    written; its default cells parse; an unknown option, keyword or constant is refused before any copy runs."""
+    written; its default cells parse; an option no copy knows, a keyword or a constant no copy's source has, is
+    refused before any copy runs; one that only some copies have passes."""
     spec = importlib.util.spec_from_file_location("benchmarks_topk_ab", ROOT / "benchmarks" / "topk_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
@@ -164,11 +165,18 @@ def test_topk_ab_cells_parse_and_name_what_exists():
                                        constants={"RADIX_SMALL_BLOCK": 1024})
     assert ab.parse_cell("8x8192:causal")["lengths"] == "causal"
     assert ab.parse_cell("8x8192:bounds=True:programs=-1")["keywords"] == {"bounds": True, "programs": -1}
-    ab.check_cells(ab.CELLS.split(","))
-    for cell, message in (("8x8192:bogus", "unknown option"), ("8x8192:segmnet=512", "no segmnet"),
-                          ("8x8192:@NO_SUCH=1", "no @NO_SUCH")):
+    ab.check_cells(ab.CELLS.split(","), [ROOT])
+    for cell, message in (("8x8192:bogus", "unknown option"), ("8x8192:segmnet=512", "has segmnet"),
+                          ("8x8192:@NO_SUCH=1", "has @NO_SUCH")):
         with pytest.raises(SystemExit, match=message):
-            ab.check_cells([cell])
+            ab.check_cells([cell], [ROOT])
+    branch = tmp_path / "nsa_inductor" / "lowering" / "topk_indices"
+    branch.mkdir(parents=True)
+    (branch / "triton.py").write_text("NEW_CONSTANT: int = 1\n\ndef topk_indices(logits, k, new_keyword=None):\n"
+                                      "    pass\n")
+    ab.check_cells(["8x8192:new_keyword=1:@NEW_CONSTANT=2:segment=512"], [ROOT, tmp_path])
+    with pytest.raises(SystemExit, match="has new_keyword, @NEW_CONSTANT"):
+        ab.check_cells(["8x8192:new_keyword=1:@NEW_CONSTANT=2"], [ROOT])
     # a copy without a keyword or constant the cell names (an older revision) shows n/a for it rather than failing
     older = types.SimpleNamespace(topk_indices=lambda logits, k, lengths, offset, pad="neg1", sorted=False: None)
     assert ab._unknown(ab.parse_cell("8x8192:programs=4:@RADIX_SMALL_BLOCK=1024"), older) == [
