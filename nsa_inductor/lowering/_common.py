@@ -101,10 +101,6 @@ def contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else t.contiguous() for t in tensors]
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_MAX_SIGNATURES = 4096
-
-
 def once_per_signature(validate):
     """``validate`` (an op's argument checks) that runs once per call signature on real tensors: shapes, dtypes,
     devices, contiguity and the other arguments. The checks read nothing else, so a call that repeats a signature
@@ -114,7 +110,7 @@ def once_per_signature(validate):
 
     @functools.wraps(validate)
     def checked(*args) -> None:
-        key = tuple([(a.shape, a.dtype, a.device, a.is_contiguous()) if type(a) in _PLAIN_TENSORS else a
+        key = tuple([(a.shape, a.dtype, a.device, a.is_contiguous()) if type(a) in host_plans.PLAIN_TENSORS else a
                      for a in args])
         try:
             if key in seen:
@@ -125,9 +121,7 @@ def once_per_signature(validate):
         validate(*args)
         if any(isinstance(a, torch.Tensor) for a in key):  # a subclass (fake) tensor stays in the key: not kept
             return
-        if len(seen) >= _MAX_SIGNATURES:
-            seen.clear()
-        seen[key] = None
+        host_plans.remember(seen, key, None)
 
     return checked
 

@@ -36,8 +36,8 @@ from ..capability import capability
 aten = torch.ops.aten
 log = logging.getLogger("nsa_inductor")
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_MAX_SIGNATURES = 4096
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # keyed by their metadata (not a subclass: a fake tensor)
+MAX_SIGNATURES = 4096  # per table of signatures (this module's, the ops' once-per-signature checks)
 # the ATen ops a recorded call may make: allocations (replayed) and views (no kernel: nothing to replay)
 _ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
 _VIEWS = frozenset({aten.view.default, aten.view.dtype, aten._unsafe_view.default, aten.alias.default,
@@ -59,7 +59,7 @@ def signature(op: str, args: tuple) -> tuple | None:
     subclass tensor (tracing)."""
     key: list = [op]
     for a in args:
-        if type(a) in _PLAIN_TENSORS:
+        if type(a) in PLAIN_TENSORS:
             key.append((a.shape, a.stride(), a.dtype, a.get_device(), not a.data_ptr() & 15))
         elif isinstance(a, torch.Tensor):
             return None
@@ -80,7 +80,7 @@ def run(op: str, body: Callable, args: tuple) -> Any:
     if plan is not _PLANS:
         return plan.replay(args) if plan.usable() else body(*args)
     if key not in _SEEN:
-        _remember(_SEEN, key, None)
+        remember(_SEEN, key, None)
         return body(*args)
     if _capturing(args):
         return body(*args)
@@ -94,7 +94,7 @@ def run(op: str, body: Callable, args: tuple) -> Any:
     plan = current.plan(out)
     if plan is None and current.backend == "triton":  # (the reference and aiter never have plans)
         log.info("nsa_inductor: nsa.%s runs every call in full (no host plan): %s", op, current.failure)
-    _remember(_PLANS, key, plan)
+    remember(_PLANS, key, plan)
     return out
 
 
@@ -118,14 +118,15 @@ def clear() -> None:
     _SEEN.clear()
 
 
-def _remember(table: dict, key: tuple, value) -> None:
-    if len(table) >= _MAX_SIGNATURES:
+def remember(table: dict, key: tuple, value) -> None:
+    """``table[key] = value``, the table emptied first when it holds ``MAX_SIGNATURES`` (a bounded cache)."""
+    if len(table) >= MAX_SIGNATURES:
         table.clear()
     table[key] = value
 
 
 def _capturing(args: tuple) -> bool:
-    return any(type(a) in _PLAIN_TENSORS and a.is_cuda for a in args) and torch.cuda.is_current_stream_capturing()
+    return any(type(a) in PLAIN_TENSORS and a.is_cuda for a in args) and torch.cuda.is_current_stream_capturing()
 
 
 class Recording(TorchDispatchMode):
