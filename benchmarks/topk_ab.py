@@ -68,11 +68,15 @@ def parse_cell(cell: str) -> dict:
     return spec
 
 
-def _unknown(spec: dict, tk) -> list[str]:
-    """The cell's keywords that ``tk.topk_indices`` lacks and constants (``@NAME``) its module lacks."""
-    parameters = inspect.signature(tk.topk_indices).parameters
-    return [k for k in spec["keywords"] if k not in parameters] + [
-        f"@{c}" for c in spec["constants"] if not hasattr(tk, c)]
+def _unknown(spec: dict, keywords, constants) -> list[str]:
+    """The cell's keywords not among ``keywords`` and constants (``@NAME``) not among ``constants``."""
+    return [k for k in spec["keywords"] if k not in keywords] + [
+        f"@{c}" for c in spec["constants"] if c not in constants]
+
+
+def _imported_names(tk) -> tuple[set[str], set[str]]:
+    """The keywords of an imported kernel module's ``topk_indices`` and the module's names."""
+    return set(inspect.signature(tk.topk_indices).parameters), set(vars(tk))
 
 
 def _names(folder: str) -> tuple[set[str], set[str]]:
@@ -94,10 +98,10 @@ def check_cells(cells: list[str], folders: list[str]) -> None:
     """Every cell parses, and each keyword of ``topk_indices`` and constant of its module it names is in at least one
     of the copies: a typo fails here, before any copy runs; a copy without one shows ``n/a`` for the cell."""
     names = [_names(folder) for folder in folders]
+    keywords = set().union(*(k for k, _ in names))
+    constants = set().union(*(c for _, c in names))
     for cell in cells:
-        spec = parse_cell(cell)
-        unknown = [k for k in spec["keywords"] if not any(k in keywords for keywords, _ in names)] + [
-            f"@{c}" for c in spec["constants"] if not any(c in constants for _, constants in names)]
+        unknown = _unknown(parse_cell(cell), keywords, constants)
         if unknown:
             raise SystemExit(f"cell {cell!r}: no copy's topk_indices has {', '.join(unknown)}")
 
@@ -169,7 +173,8 @@ def worker(cells: list[str], kernels: bool, deadline: float | None = None) -> No
     from nsa_inductor.lowering.topk_indices import triton as tk
 
     specs = {cell: parse_cell(cell) for cell in cells}
-    runnable = [cell for cell in cells if not _unknown(specs[cell], tk)]  # (others: a copy without what they name)
+    names = _imported_names(tk)
+    runnable = [cell for cell in cells if not _unknown(specs[cell], *names)]  # (others: a copy without what they name)
     results = {cell: None for cell in cells}
     failed = {}
     skipped = []

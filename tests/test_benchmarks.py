@@ -179,9 +179,9 @@ def test_topk_ab_cells_parse_and_name_what_exists(tmp_path):
         ab.check_cells(["8x8192:new_keyword=1:@NEW_CONSTANT=2"], [ROOT])
     # a copy without a keyword or constant the cell names (an older revision) shows n/a for it rather than failing
     older = types.SimpleNamespace(topk_indices=lambda logits, k, lengths, offset, pad="neg1", sorted=False: None)
-    assert ab._unknown(ab.parse_cell("8x8192:programs=4:@RADIX_SMALL_BLOCK=1024"), older) == [
+    assert ab._unknown(ab.parse_cell("8x8192:programs=4:@RADIX_SMALL_BLOCK=1024"), *ab._imported_names(older)) == [
         "programs", "@RADIX_SMALL_BLOCK"]
-    assert ab._unknown(ab.parse_cell("8x8192:sorted"), older) == []
+    assert ab._unknown(ab.parse_cell("8x8192:sorted"), *ab._imported_names(older)) == []
 
 
 def test_host_python_prints_every_call_with_and_without_plans(capsys, monkeypatch):
