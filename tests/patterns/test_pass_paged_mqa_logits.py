@@ -122,6 +122,8 @@ class Variant(Indexer):
         weights = self.head_gates(x, q_scale)
         if self.variant == "weights_not_per_head":
             weights = weights.mean(dim=1, keepdim=True).expand(-1, c.n_heads)
+        if self.variant == "weights_bf16":
+            weights = weights.bfloat16()
         key_pos = torch.arange(max_len, device=x.device)
         from nsa_inductor.indexer import paged_slots
 
@@ -156,6 +158,7 @@ NEGATIVES = {
     "mask_off_by_one": ("paged", "paged", 1, "mask"),
     "no_relu": ("paged", "paged", 1, "relu"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
+    "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "sum_over_tokens": ("paged", "paged", 16, ""),
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),

@@ -202,6 +202,25 @@ def test_a_scale_that_is_not_one_per_row_does_not_fire():
     assert "scale is not one per block" in entry["near_misses"][0]["reason"]
 
 
+def one_row_for_every_slot_store(k, slots, cache):
+    """The first token's quantised row broadcast into every token's slot: written values of one row, not one a
+    token. Must not fire (the op would read a row per slot)."""
+    page_view_store(16)(k[:1], slots, cache)
+
+
+def test_one_row_broadcast_to_every_slot_does_not_fire():
+    k, slots, cache = inputs("page-views-paged", 6, 3, padding=False)
+    compiled_fn, dump_dir = compile_with_dumps(one_row_for_every_slot_store, {"nsa.layout": "paged",
+                                                                             "nsa.page_size": 16}, dynamic=False)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    one_row_for_every_slot_store(k, slots, eager_cache)
+    compiled_fn(k, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
+    assert entry["matched"] == 0
+    assert "not one row of bytes per token" in entry["near_misses"][0]["reason"], entry["near_misses"]
+
+
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
     """``rotate_activation``'s epilogue in front of act_quant: the op takes ``y`` and scales and rounds it itself."""
     reference_store(LAYOUTS["paged"])((y * 128**-0.5).to(dtype), slots, cache)

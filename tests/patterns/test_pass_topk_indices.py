@@ -152,6 +152,13 @@ def scaled_offset(logits):
     return torch.sub(indices, torch.arange(4)[:, None], alpha=2).masked_fill(values == INF, -1)
 
 
+def gathered_offset(logits):
+    """``o[i[:, None]]`` is one value per row, but another row's: the same shape as ``o[:, None]``, not a view."""
+    values, indices = torch.topk(logits, 3)
+    offset = torch.arange(4) * 2
+    return (indices - offset[torch.arange(3, -1, -1)[:, None]]).masked_fill(values == INF, -1)
+
+
 def first_dim(logits):
     values, indices = torch.topk(logits, 3, dim=0)
     return indices.masked_fill(values == INF, -1)
@@ -170,6 +177,7 @@ def bf16_logits(logits):
     (other_test, "used for something other than the == -inf test"),
     (per_element_offset, "not one integer offset per row"),
     (scaled_offset, "not one integer offset per row|not to the top-k indices"),
+    (gathered_offset, "not one integer offset per row"),
     (first_dim, "dim other than the last"),
     (bf16_logits, "must be 2-D fp32"),
 ])
