@@ -85,6 +85,11 @@ def _not_128_rows(x, h):
     return act_quant((x.float().reshape(-1, 256) @ h * C).to(torch.bfloat16))
 
 
+def _wider_product(x, h):
+    """Rows of 128 times a [128, 256] matrix: two quant blocks a row, not a rotation of each row."""
+    return act_quant((x.float() @ h * C).to(torch.bfloat16))
+
+
 def _unrounded_fp32(x, h):
     return act_quant(x.float() @ h * C)
 
@@ -106,6 +111,8 @@ NEAR_MISSES = {
     "act-quant-input-read-elsewhere": (_act_quant_amax_read_elsewhere, H32, "fusing would keep its GEMM"),
     "matrix-computed-in-graph": (_matrix_computed_in_graph, H32, "computed in the graph"),
     "matrix-256": (_not_128_rows, torch.eye(256), "not rows of 128"),
+    "matrix-128-by-256": (_wider_product, torch.randn(128, 256, generator=torch.Generator().manual_seed(2)),
+                          "not a static [128, 128]"),
     "unrounded-fp32": (_unrounded_fp32, H32, "not the bf16 result of a rotation"),
     "bf16-product-scaled": (_bf16_product_scaled, H32.bfloat16(), "not a product with a matrix (mul"),
     "groups-of-8": (_groups_of_8, H32, "quant block is 8 wide"),

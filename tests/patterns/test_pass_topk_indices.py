@@ -159,6 +159,12 @@ def gathered_offset(logits):
     return (indices - offset[torch.arange(3, -1, -1)[:, None]]).masked_fill(values == INF, -1)
 
 
+def float_offset(logits):
+    """A per-row offset of floats: the indices become floats, which the op (int32 indices) cannot give."""
+    values, indices = torch.topk(logits, 3)
+    return (indices - (torch.arange(4.0) * 0.5)[:, None]).masked_fill(values == INF, -1)
+
+
 def first_dim(logits):
     values, indices = torch.topk(logits, 3, dim=0)
     return indices.masked_fill(values == INF, -1)
@@ -178,6 +184,7 @@ def bf16_logits(logits):
     (per_element_offset, "not one integer offset per row"),
     (scaled_offset, "not one integer offset per row|not to the top-k indices"),
     (gathered_offset, "not one integer offset per row"),
+    (float_offset, "not one integer offset per row"),
     (first_dim, "dim other than the last"),
     (bf16_logits, "must be 2-D fp32"),
 ])
