@@ -141,6 +141,13 @@ def _rows_flattened(x, table, positions, h):
     return quantized(_roped(x, *_rows_table(table, positions, x)).flatten(0, 1), h)
 
 
+def _rows_sliced_across_tokens(x, table, positions, h):
+    """The gathered rows sliced along the tokens (here all of them): a slice the table itself must not get (its
+    first T rows are not the rows at the positions)."""
+    cos, sin = table[positions][: x.shape[0]].unbind(1)
+    return quantized(_roped(x, cos.unsqueeze(-2), sin.unsqueeze(-2)), h)
+
+
 def _a_clamp_inside(x, table, positions, h):
     cos, sin = _rows_table(table, positions, x)
     return quantized(_roped(x, cos.clamp(-0.5, 0.5), sin), h)
@@ -155,6 +162,7 @@ NEAR_MISSES = {
     "two position tensors": (_two_position_tensors, "2 position tensors"),
     "a clamp": (_a_clamp_inside, "not RoPE arithmetic"),
     "rows flattened across tokens": (_rows_flattened, "not one token per index of the first dim"),
+    "rows sliced across tokens": (_rows_sliced_across_tokens, "across tokens"),
 }
 
 
