@@ -121,6 +121,18 @@ def test_select_write_back():
     assert result.matched == removed == 1 and torch.equal(before, after)
 
 
+def test_a_slab_written_into_another_dim_is_kept():
+    """``y[:, 2] = y[2, :]`` of a square ``y``: the same index, the same shape, another dim (row 2 into column 2)."""
+    def fn(x):
+        y = x * 3
+        y[:, 2] = y[2, :]
+        return y
+
+    result, before, after, removed = run_pass(fn, torch.randn(5, 5))
+    assert result.matched == removed == 0 and torch.equal(before, after)
+    assert result.near_misses, "a kept write-back of a selected slab must be reported"
+
+
 @pytest.mark.parametrize(
     "case, reason",
     [
