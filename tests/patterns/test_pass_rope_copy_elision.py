@@ -121,11 +121,16 @@ def test_select_write_back():
     assert result.matched == removed == 1 and torch.equal(before, after)
 
 
-def test_a_slab_written_into_another_dim_is_kept():
-    """``y[:, 2] = y[2, :]`` of a square ``y``: the same index, the same shape, another dim (row 2 into column 2)."""
+@pytest.mark.parametrize("other", ["dim", "index"])
+def test_a_slab_written_elsewhere_is_kept(other):
+    """``y[:, 2] = y[2, :]`` of a square ``y`` (the same index and shape, another dim: row 2 into column 2), and
+    ``y[:, 1] = y[:, 2]`` (the same dim, another index)."""
     def fn(x):
         y = x * 3
-        y[:, 2] = y[2, :]
+        if other == "dim":
+            y[:, 2] = y[2, :]
+        else:
+            y[:, 1] = y[:, 2]
         return y
 
     result, before, after, removed = run_pass(fn, torch.randn(5, 5))
