@@ -165,6 +165,17 @@ def float_offset(logits):
     return (indices - (torch.arange(4.0) * 0.5)[:, None]).masked_fill(values == INF, -1)
 
 
+def column_offset(logits):
+    """An offset per output column (k of them), not per row."""
+    values, indices = torch.topk(logits, 3)
+    return (indices - torch.arange(3).view(1, -1)).masked_fill(values == INF, -1)
+
+
+def indices_read_twice(logits):
+    values, indices = torch.topk(logits, 3)
+    return indices.masked_fill(values == INF, -1), indices * 2
+
+
 def first_dim(logits):
     values, indices = torch.topk(logits, 3, dim=0)
     return indices.masked_fill(values == INF, -1)
@@ -185,6 +196,8 @@ def bf16_logits(logits):
     (scaled_offset, "not one integer offset per row|not to the top-k indices"),
     (gathered_offset, "not one integer offset per row"),
     (float_offset, "not one integer offset per row"),
+    (column_offset, "not one integer offset per row"),
+    (indices_read_twice, "indices have other users"),
     (first_dim, "dim other than the last"),
     (bf16_logits, "must be 2-D fp32"),
 ])
