@@ -39,18 +39,29 @@ def page_view_store(page_size):
     return store
 
 
-def masked_store(layout, writes):
-    """The eager store's masked delta on the cache bytes, with ``writes(slots)`` the tokens that write."""
+def masked_store(layout, writes, masked_out=0, scale_masked=True):
+    """The eager store's masked delta on the cache bytes, with ``writes(slots)`` the tokens that write, adding
+    ``masked_out`` where they do not; ``scale_masked=False``: the scale written plainly (negative slots wrap)."""
 
     def store(k, slots, cache):
         k_fp8, k_scale = act_quant(k)
         flat = cache.view(-1)
         valid = writes(slots)[:, None]
-        for offsets, new in ((layout.value_offsets(slots.clamp(min=0)), k_fp8.view(torch.uint8)),
-                             (layout.scale_offsets(slots.clamp(min=0)), k_scale.view(torch.uint8).view(-1, 4))):
-            flat.index_put_((offsets,), torch.where(valid, new - flat[offsets], 0), accumulate=True)
+        pairs = [(layout.value_offsets(slots.clamp(min=0)), k_fp8.view(torch.uint8))]
+        scale_bytes = k_scale.view(torch.uint8).view(-1, 4)
+        if scale_masked:
+            pairs.append((layout.scale_offsets(slots.clamp(min=0)), scale_bytes))
+        else:
+            flat[layout.scale_offsets(slots)] = scale_bytes
+        for offsets, new in pairs:
+            flat.index_put_((offsets,), torch.where(valid, new - flat[offsets], masked_out), accumulate=True)
 
     return store
+
+
+def doubled_scale_store(k, slots, cache):
+    k_fp8, k_scale = act_quant(k)
+    LAYOUTS["paged"].store(cache, slots, k_fp8, k_scale[:, 0] * 2)
 
 
 VARIANTS = {
@@ -69,6 +80,10 @@ VARIANTS = {
     "no-duplicate-rule": (masked_store(LAYOUTS["paged"], lambda s: s >= 0), "paged", True),
     # slot 0 never written, which the op would write
     "near-miss-mask": (masked_store(LAYOUTS["paged"], lambda s: s > 0), "paged", False),
+    "near-miss-masked-out-one": (masked_store(LAYOUTS["paged"], lambda s: s >= 0, masked_out=1), "paged", False),
+    "near-miss-scale-unmasked": (masked_store(LAYOUTS["paged"], lambda s: s >= 0, scale_masked=False), "paged",
+                                 False),
+    "near-miss-doubled-scale": (doubled_scale_store, "paged", False),
     "near-miss-first-of-shared-slot": (
         masked_store(LAYOUTS["paged"], lambda s: (s >= 0) & ~(s[:, None] == s[None, :]).tril(-1).any(1)), "paged",
         False),
@@ -79,6 +94,9 @@ REASONS = {
     "near-miss-wrong-layout": "not the preshuffle(page_size=16) layout",
     "near-miss-mask": "padding mask is not slot >= 0",
     "near-miss-first-of-shared-slot": "another token than the last",
+    "near-miss-masked-out-one": "masked-out delta is 1",
+    "near-miss-scale-unmasked": "treat padding slots differently",
+    "near-miss-doubled-scale": "not the scale of the quantized values",
 }
 
 
