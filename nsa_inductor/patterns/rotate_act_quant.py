@@ -156,7 +156,9 @@ class RotateActQuant(GraphPass):
                                  quant.scale_fmt, quant.fp8_dtype, quant.fp8_max))
             values = insert_call(graph, operator.getitem, (fused, 0))
             scales = insert_call(graph, operator.getitem, (fused, 1))
-            replace(graph, quant.values, values)  # first: the scale, the insertion point, outlives it
+        # (not before the old scale: replacing the values erases it where only they read it)
+        with graph.inserting_after(scales):
+            replace(graph, quant.values, values)
             replace(graph, quant.scale, scales)
         return fused
 

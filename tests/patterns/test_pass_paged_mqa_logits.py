@@ -133,12 +133,15 @@ class Variant(Indexer):
         scores = torch.einsum("bnhd,bsd->bnhs", q_fp8.view(batch, next_n, c.n_heads, c.head_dim).float(), k)
         if self.variant == "scaled_inside_relu":
             scores = scores * 0.5
+        if self.variant == "weights_inside_relu":  # relu(w * s) is not w * relu(s) for negative weights
+            scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant != "no_relu":
             scores = scores.relu()
         if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
             scores = scores * c.head_dim ** -0.5 * 0.25
         scores = scores * k_scale.view(batch, 1, 1, max_len)
-        scores = scores * weights.view(batch, next_n, c.n_heads, 1)
+        if self.variant not in ("no_weights", "weights_inside_relu"):
+            scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
             scores = scores.sum(dim=1)
         else:
@@ -159,6 +162,8 @@ NEGATIVES = {
     "no_relu": ("paged", "paged", 1, "relu"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
+    "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),
+    "no_weights": ("paged", "paged", 1, "no per-head weight factor"),
     "sum_over_tokens": ("paged", "paged", 16, ""),
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),

@@ -153,9 +153,14 @@ def k_path(x, h, slots, cache):
     LAYOUT.store(cache, slots, k_fp8, k_scale.squeeze(-1))
 
 
+def q_values_path(x, h):
+    """The q side whose scale nothing reads but its own values (weights without q's scale)."""
+    return act_quant((x.float() @ h * C).to(torch.bfloat16))[0]
+
+
 @functools.cache
 def compiled_path(name, disabled=()):
-    fn = {"q": q_path, "k": k_path}[name]
+    fn = {"q": q_path, "k": k_path, "q_values": q_values_path}[name]
     options = {**STORE_OPTIONS, "nsa.disable_passes": list(disabled)}
     return fn, *compile_with_dumps(fn, options, dynamic=False)
 
@@ -171,6 +176,15 @@ def test_q_side_compiled_at_size_one_and_more(tokens):
     assert pass_entry(graph, "rotate_act_quant")["matched"] == 1
     assert count_ops(before, "aten.mm") == 1 and count_ops(after, "aten.mm") == 0
     assert count_ops(after, "nsa.rotate_act_quant") == 1
+
+
+def test_q_side_whose_scale_only_its_values_read():
+    """Replacing the values drops the old scale: the fused op's outputs must not be placed relative to it (the graph
+    would lose a node in Inductor's topological sort after the passes)."""
+    fn, compiled_fn, dump_dir = compiled_path("q_values")
+    x = rows((5, 4))
+    assert torch.equal(compiled_fn(x, H32).view(torch.uint8), fn(x, H32).view(torch.uint8))
+    assert pass_entry(graph_dirs(dump_dir)[0], "rotate_act_quant")["matched"] == 1
 
 
 @pytest.mark.parametrize("tokens", [1, 9])
