@@ -176,6 +176,8 @@ class Gates(nn.Module):
             y = F.linear(x.half().float(), w)
         elif s == "bf16_weight_upcast":
             y = F.linear(x.float(), w.float())
+        elif s == "rounded_after":  # the fp32 result rounded to bf16: a changed sum order could flip roundings
+            y = F.linear(x.float(), w).bfloat16().float()
         elif s == "promoted_sum":  # bf16 + fp32 promotes: an fp32 activation that is not x's upcast
             y = F.linear(x + w_act[0], w)
         else:
@@ -191,6 +193,7 @@ class Gates(nn.Module):
         ("activation_weight", "non-parameter graph input"),
         ("fp16_activation", "float16 before the upcast"),
         ("bf16_weight_upcast", "computed in the graph"),
+        ("rounded_after", "rounded to torch.bfloat16 downstream"),
         ("promoted_sum", ""),  # (not this idiom: the pass may stay silent)
     ],
 )

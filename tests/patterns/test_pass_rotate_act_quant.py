@@ -90,6 +90,11 @@ def _wider_product(x, h):
     return act_quant((x.float() @ h * C).to(torch.bfloat16))
 
 
+def _scaled_before_the_product(x, h):
+    """fp32 rows that are not x's upcast (x * 2): the op would take x itself."""
+    return act_quant(((x.float() * 2) @ h * C).to(torch.bfloat16))
+
+
 def _unrounded_fp32(x, h):
     return act_quant(x.float() @ h * C)
 
@@ -114,6 +119,7 @@ NEAR_MISSES = {
     "matrix-128-by-256": (_wider_product, torch.randn(128, 256, generator=torch.Generator().manual_seed(2)),
                           "not a static [128, 128]"),
     "unrounded-fp32": (_unrounded_fp32, H32, "not the bf16 result of a rotation"),
+    "scaled-before-the-product": (_scaled_before_the_product, H32, "not a bf16 tensor cast to fp32"),
     "bf16-product-scaled": (_bf16_product_scaled, H32.bfloat16(), "not a product with a matrix (mul"),
     "groups-of-8": (_groups_of_8, H32, "quant block is 8 wide"),
 }
