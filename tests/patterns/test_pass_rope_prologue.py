@@ -148,6 +148,18 @@ def _rows_sliced_across_tokens(x, table, positions, h):
     return quantized(_roped(x, cos.unsqueeze(-2), sin.unsqueeze(-2)), h)
 
 
+def _rows_split_across_tokens(x, table, positions, h):
+    """The gathered rows split along the tokens (into one piece): not a split the table itself may get."""
+    cos, sin = table[positions].split(x.shape[0], dim=0)[0].unbind(1)
+    return quantized(_roped(x, cos.unsqueeze(-2), sin.unsqueeze(-2)), h)
+
+
+def _gathered_along_another_dim(x, table, positions, h):
+    """The table kept as [2, w, P] and gathered along its last dim: not rows of the table at the positions."""
+    cos, sin = table.permute(1, 2, 0).index_select(2, positions).permute(2, 0, 1).unbind(1)
+    return quantized(_roped(x, cos.unsqueeze(-2), sin.unsqueeze(-2)), h)
+
+
 def _a_clamp_inside(x, table, positions, h):
     cos, sin = _rows_table(table, positions, x)
     return quantized(_roped(x, cos.clamp(-0.5, 0.5), sin), h)
@@ -163,6 +175,8 @@ NEAR_MISSES = {
     "a clamp": (_a_clamp_inside, "not RoPE arithmetic"),
     "rows flattened across tokens": (_rows_flattened, "not one token per index of the first dim"),
     "rows sliced across tokens": (_rows_sliced_across_tokens, "across tokens"),
+    "rows split across tokens": (_rows_split_across_tokens, "across tokens"),
+    "gathered along another dim": (_gathered_along_another_dim, ""),
 }
 
 
