@@ -239,6 +239,20 @@ def test_one_row_broadcast_to_every_slot_does_not_fire():
     assert "not one row of bytes per token" in entry["near_misses"][0]["reason"], entry["near_misses"]
 
 
+def test_float64_rows_do_not_fire():
+    """act_quant of fp64 K rows (its amax and division in fp64): not a dtype the op quantizes."""
+    fn = reference_store(LAYOUTS["paged"])
+    k, slots, cache = inputs("paged", 6, 4, dtype=torch.float64)
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fn(k, slots, eager_cache)
+    compiled_fn(k, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
+    assert entry["matched"] == 0
+    assert "torch.float64" in entry["near_misses"][0]["reason"], entry["near_misses"]
+
+
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
     """``rotate_activation``'s epilogue in front of act_quant: the op takes ``y`` and scales and rounds it itself."""
     reference_store(LAYOUTS["paged"])((y * 128**-0.5).to(dtype), slots, cache)
