@@ -253,6 +253,21 @@ def test_float64_rows_do_not_fire():
     assert "torch.float64" in entry["near_misses"][0]["reason"], entry["near_misses"]
 
 
+def test_a_cache_past_the_start_of_its_storage_does_not_fire():
+    """The cache a view from the second page of a buffer (storage offset != 0): the op takes a cache from the start
+    of its storage."""
+    fn = reference_store(LAYOUTS["paged"])
+    k, slots, cache = inputs("paged", 6, 5)
+    eager_buf, compiled_buf = (torch.cat([torch.zeros_like(cache[:1]), cache]) for _ in range(2))
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
+    fn(k, slots, eager_buf[1:])
+    compiled_fn(k, slots, compiled_buf[1:])
+    assert torch.equal(eager_buf, compiled_buf)
+    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
+    assert entry["matched"] == 0
+    assert "not contiguous" in entry["near_misses"][0]["reason"], entry["near_misses"]
+
+
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
     """``rotate_activation``'s epilogue in front of act_quant: the op takes ``y`` and scales and rounds it itself."""
     reference_store(LAYOUTS["paged"])((y * 128**-0.5).to(dtype), slots, cache)
