@@ -59,6 +59,13 @@ def masked_store(layout, writes, masked_out=0, scale_masked=True):
     return store
 
 
+def mirrored_store(k, slots, cache):
+    """Every token's row written at two slots: two value and two scale writes, not the op's one of each."""
+    k_fp8, k_scale = act_quant(k)
+    for at in (slots, torch.where(slots >= 0, (slots + NUM_SLOTS // 2) % NUM_SLOTS, slots)):
+        LAYOUTS["paged"].store(cache, at, k_fp8, k_scale[:, 0])
+
+
 def doubled_scale_store(k, slots, cache):
     k_fp8, k_scale = act_quant(k)
     LAYOUTS["paged"].store(cache, slots, k_fp8, k_scale[:, 0] * 2)
@@ -84,6 +91,7 @@ VARIANTS = {
     "near-miss-scale-unmasked": (masked_store(LAYOUTS["paged"], lambda s: s >= 0, scale_masked=False), "paged",
                                  False),
     "near-miss-doubled-scale": (doubled_scale_store, "paged", False),
+    "near-miss-mirrored": (mirrored_store, "paged", False),
     "near-miss-first-of-shared-slot": (
         masked_store(LAYOUTS["paged"], lambda s: (s >= 0) & ~(s[:, None] == s[None, :]).tril(-1).any(1)), "paged",
         False),
@@ -97,6 +105,7 @@ REASONS = {
     "near-miss-masked-out-one": "masked-out delta is 1",
     "near-miss-scale-unmasked": "treat padding slots differently",
     "near-miss-doubled-scale": "not the scale of the quantized values",
+    "near-miss-mirrored": "one 128-byte value write and one 4-byte scale write",
 }
 
 
