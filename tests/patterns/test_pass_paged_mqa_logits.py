@@ -130,7 +130,12 @@ class Variant(Indexer):
         slots = paged_slots(block_table, key_pos.expand(batch, max_len), self.layout.page_size)
         k_fp8, k_scale = self.layout.load(kv_cache, slots.flatten(), c.fp8_dtype)
         k = k_fp8.float().view(batch, max_len, c.head_dim)
-        scores = torch.einsum("bnhd,bsd->bnhs", q_fp8.view(batch, next_n, c.n_heads, c.head_dim).float(), k)
+        q = q_fp8.view(batch, next_n, c.n_heads, c.head_dim)
+        if self.variant == "q_bf16":  # the same values, but not fp8 q: the op reads q as fp8
+            q = q.to(torch.bfloat16)
+        if self.variant == "q_dims_repeated":  # the first 64 dims twice, the last 64 never
+            q = q[..., torch.arange(c.head_dim) % 64]
+        scores = torch.einsum("bnhd,bsd->bnhs", q.float(), k)
         if self.variant == "scaled_inside_relu":
             scores = scores * 0.5
         if self.variant == "weights_inside_relu":  # relu(w * s) is not w * relu(s) for negative weights
@@ -164,6 +169,8 @@ NEGATIVES = {
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),
     "no_weights": ("paged", "paged", 1, "no per-head weight factor"),
+    "q_bf16": ("paged", "paged", 1, "fp8 -> fp32 upcast of q"),
+    "q_dims_repeated": ("paged", "paged", 1, "every q dim exactly once"),
     "sum_over_tokens": ("paged", "paged", 16, ""),
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
