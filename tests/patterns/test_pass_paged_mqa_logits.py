@@ -135,6 +135,8 @@ class Variant(Indexer):
             q = q.to(torch.bfloat16)
         if self.variant == "q_dims_repeated":  # the first 64 dims twice, the last 64 never
             q = q[..., torch.arange(c.head_dim) % 64]
+        if self.variant == "q_heads_mixed":  # each head's row read across the heads
+            q = q_fp8.view(batch, next_n, c.head_dim, c.n_heads).transpose(2, 3)
         scores = torch.einsum("bnhd,bsd->bnhs", q.float(), k)
         if self.variant == "scaled_inside_relu":
             scores = scores * 0.5
@@ -171,6 +173,7 @@ NEGATIVES = {
     "no_weights": ("paged", "paged", 1, "no per-head weight factor"),
     "q_bf16": ("paged", "paged", 1, "fp8 -> fp32 upcast of q"),
     "q_dims_repeated": ("paged", "paged", 1, "every q dim exactly once"),
+    "q_heads_mixed": ("paged", "paged", 1, "mixes q heads"),
     "sum_over_tokens": ("paged", "paged", 16, ""),
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
