@@ -46,6 +46,10 @@ def summed_over_some_splits(p, cache, slots):
     _store(_normed((p[0] + p[1]).to(torch.bfloat16).float()), cache, slots)
 
 
+def summed_from_two_tensors(p, cache, slots):
+    _store(_normed((p[0] + (p * 2)[1] + p[2]).to(torch.bfloat16).float()), cache, slots)
+
+
 def summed_right_to_left(p, cache, slots):
     _store(_normed((p[0] + (p[1] + p[2])).to(torch.bfloat16).float()), cache, slots)
 
@@ -91,6 +95,7 @@ def test_the_split_k_sum_moves_into_the_store(fn, splits, tokens):
 
 @pytest.mark.parametrize("fn, reason", [
     (summed_over_some_splits, "adds splits [0, 1] of"),
+    (summed_from_two_tensors, "partials of more than one tensor"),
     (summed_right_to_left, "not a split-K partial"),
     (summed_by_a_reduction, "is not a sum of split-K partials"),
     (projected_by_a_bf16_gemm, "is not a sum of split-K partials"),
