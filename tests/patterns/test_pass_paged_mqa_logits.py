@@ -147,6 +147,8 @@ class Variant(Indexer):
         if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
             scores = scores * c.head_dim ** -0.5 * 0.25
         scores = scores * k_scale.view(batch, 1, 1, max_len)
+        if self.variant == "k_scale_twice":
+            scores = scores * k_scale.view(batch, 1, 1, max_len)
         if self.variant not in ("no_weights", "weights_inside_relu"):
             scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
@@ -174,6 +176,7 @@ NEGATIVES = {
     "q_bf16": ("paged", "paged", 1, "fp8 -> fp32 upcast of q"),
     "q_dims_repeated": ("paged", "paged", 1, "every q dim exactly once"),
     "q_heads_mixed": ("paged", "paged", 1, "mixes q heads"),
+    "k_scale_twice": ("paged", "paged", 1, "2 k_scale factors"),
     "sum_over_tokens": ("paged", "paged", 16, ""),
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),

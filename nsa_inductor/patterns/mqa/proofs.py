@@ -542,7 +542,8 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     scale = [e for e in located if e[3] is not None or e[2] is not None and (
         e[2][0] in leaves or e[2][2] == [("view_dtype", torch.uint8, torch.float32)])]
     q = prove_dot(s, dot, leaves)
-    w = prove_weights(s, [e for e in located if e not in scale], q.head)
+    # (by identity: a factor read twice gives two equal entries, and comparing them compares tensors)
+    w = prove_weights(s, [e for e in located if not any(e is f for f in scale)], q.head)
     if len(scale) != 1:
         raise NearMiss(f"{len(scale)} k_scale factors, expected one")
     match = Match("", where, q.q, w, s.heads, s.rows, s.keys, weight_scale=weight_scale)
