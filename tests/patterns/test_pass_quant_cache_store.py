@@ -213,20 +213,26 @@ def per_column_scale_store(k, slots, cache):
     LAYOUTS["paged"].store(cache, slots, k_fp8, scale)
 
 
+def assert_store_kept(fn, k, slots, cache, reason, dynamic=None, view=lambda c: c):
+    """``fn`` compiled keeps Inductor's store, with ``reason`` in the pass's near miss, and writes eager's bytes
+    (``view``: the cache ``fn`` gets, a view of ``cache``)."""
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=dynamic)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fn(k, slots, view(eager_cache))
+    compiled_fn(k, slots, view(compiled_cache))
+    assert torch.equal(eager_cache, compiled_cache)
+    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
+    assert entry["matched"] == 0
+    assert reason in entry["near_misses"][0]["reason"], entry["near_misses"]
+
+
 def test_a_scale_that_is_not_one_per_row_does_not_fire():
     gen = torch.Generator().manual_seed(5)
     k = torch.randn(128, 128, generator=gen).to(torch.bfloat16)
     slots = torch.randperm(160, generator=gen)[:128]
     cache = torch.randint(0, 256, (LAYOUTS["paged"].num_pages(160), LAYOUTS["paged"].page_bytes), dtype=torch.uint8,
                           generator=gen)
-    compiled_fn, dump_dir = compile_with_dumps(per_column_scale_store, {"nsa.layout": "paged", "nsa.page_size": 16})
-    eager_cache, compiled_cache = cache.clone(), cache.clone()
-    per_column_scale_store(k, slots, eager_cache)
-    compiled_fn(k, slots, compiled_cache)
-    assert torch.equal(eager_cache, compiled_cache)
-    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
-    assert entry["matched"] == 0
-    assert "scale is not one per block" in entry["near_misses"][0]["reason"]
+    assert_store_kept(per_column_scale_store, k, slots, cache, "scale is not one per block")
 
 
 def one_row_for_every_slot_store(k, slots, cache):
@@ -236,45 +242,22 @@ def one_row_for_every_slot_store(k, slots, cache):
 
 
 def test_one_row_broadcast_to_every_slot_does_not_fire():
-    k, slots, cache = inputs("page-views-paged", 6, 3, padding=False)
-    compiled_fn, dump_dir = compile_with_dumps(one_row_for_every_slot_store, {"nsa.layout": "paged",
-                                                                             "nsa.page_size": 16}, dynamic=False)
-    eager_cache, compiled_cache = cache.clone(), cache.clone()
-    one_row_for_every_slot_store(k, slots, eager_cache)
-    compiled_fn(k, slots, compiled_cache)
-    assert torch.equal(eager_cache, compiled_cache)
-    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
-    assert entry["matched"] == 0
-    assert "not one row of bytes per token" in entry["near_misses"][0]["reason"], entry["near_misses"]
+    assert_store_kept(one_row_for_every_slot_store, *inputs("page-views-paged", 6, 3, padding=False),
+                      "not one row of bytes per token", dynamic=False)
 
 
 def test_float64_rows_do_not_fire():
     """act_quant of fp64 K rows (its amax and division in fp64): not a dtype the op quantizes."""
-    fn = reference_store(LAYOUTS["paged"])
-    k, slots, cache = inputs("paged", 6, 4, dtype=torch.float64)
-    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
-    eager_cache, compiled_cache = cache.clone(), cache.clone()
-    fn(k, slots, eager_cache)
-    compiled_fn(k, slots, compiled_cache)
-    assert torch.equal(eager_cache, compiled_cache)
-    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
-    assert entry["matched"] == 0
-    assert "torch.float64" in entry["near_misses"][0]["reason"], entry["near_misses"]
+    assert_store_kept(reference_store(LAYOUTS["paged"]), *inputs("paged", 6, 4, dtype=torch.float64),
+                      "torch.float64", dynamic=False)
 
 
 def test_a_cache_past_the_start_of_its_storage_does_not_fire():
     """The cache a view from the second page of a buffer (storage offset != 0): the op takes a cache from the start
     of its storage."""
-    fn = reference_store(LAYOUTS["paged"])
     k, slots, cache = inputs("paged", 6, 5)
-    eager_buf, compiled_buf = (torch.cat([torch.zeros_like(cache[:1]), cache]) for _ in range(2))
-    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
-    fn(k, slots, eager_buf[1:])
-    compiled_fn(k, slots, compiled_buf[1:])
-    assert torch.equal(eager_buf, compiled_buf)
-    entry = pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")
-    assert entry["matched"] == 0
-    assert "not contiguous" in entry["near_misses"][0]["reason"], entry["near_misses"]
+    assert_store_kept(reference_store(LAYOUTS["paged"]), k, slots, torch.cat([torch.zeros_like(cache[:1]), cache]),
+                      "not contiguous", dynamic=False, view=lambda c: c[1:])
 
 
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
