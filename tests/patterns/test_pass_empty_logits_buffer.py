@@ -144,9 +144,9 @@ def test_paged_logits_write_whole_buffer(width):
     [({"write_end": 47}, "not known to write -inf"),
      ({"max_len": 40}, "block table's reach"),
      ({"extra_use": True}, "also used elsewhere"),
-     ({"fill": 0.0}, None),
+     ({"fill": 0.0}, None),  # the op would write -inf past max_len; other fills than -inf are not reported
      ({"write_start": 4}, "fill whole rows from column 0"),
-     ({"rows_merged": True}, "reshaped before the write")],  # the op would write -inf past max_len; other fills are not reported
+     ({"rows_merged": True}, "reshaped before the write")],
 )
 def test_paged_logits_near_misses(kwargs, reason):
     args = decode_inputs((5, 33, 0, 17) if "max_len" not in kwargs else (5, 30, 0, 17))
