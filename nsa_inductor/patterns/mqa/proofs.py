@@ -539,11 +539,12 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
         coords = factor_coords(s, f)
         plain = plain_read(s, f, coords, (torch.float32,), [s.keys], [], s.s_col)
         located.append((f, inside, try_locate(s, f, coords)[0], plain))
-    scale = [e for e in located if e[3] is not None or e[2] is not None and (
-        e[2][0] in leaves or e[2][2] == [("view_dtype", torch.uint8, torch.float32)])]
+    scale, weights = [], []  # (one partition: a factor read twice gives equal entries, which hold tensors)
+    for e in located:
+        (scale if e[3] is not None or e[2] is not None and (
+            e[2][0] in leaves or e[2][2] == [("view_dtype", torch.uint8, torch.float32)]) else weights).append(e)
     q = prove_dot(s, dot, leaves)
-    # (by identity: a factor read twice gives two equal entries, and comparing them compares tensors)
-    w = prove_weights(s, [e for e in located if not any(e is f for f in scale)], q.head)
+    w = prove_weights(s, weights, q.head)
     if len(scale) != 1:
         raise NearMiss(f"{len(scale)} k_scale factors, expected one")
     match = Match("", where, q.q, w, s.heads, s.rows, s.keys, weight_scale=weight_scale)
