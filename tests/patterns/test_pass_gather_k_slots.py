@@ -62,6 +62,18 @@ def slot_byte_offsets(layout, shift=0):
     return fn
 
 
+def scale_read_elsewhere(how):
+    """K read at the slot's offsets; k_scale from ``cache2`` (a second input of the same shape) or at the next
+    slot's scale (``how``): the op reads the slot's own scale from the K cache."""
+    layout = KCacheLayout(P)
+
+    def fn(q, w, ks, ke, cache, slots, cache2):
+        k8, _ = layout.load(cache, slots, FN)
+        k_scale = layout.load(cache2, slots, FN)[1] if how == "second_cache" else layout.load(cache, slots + 1, FN)[1]
+        return logits(k8, k_scale, q, w, ks, ke)
+    return fn
+
+
 def slot_page_views(q, w, ks, ke, cache, slots):
     values, scales = page_views(cache)
     return logits(values[slots // P, slots % P].view(FN), scales[slots // P, slots % P], q, w, ks, ke)
@@ -112,6 +124,8 @@ def test_fires_on_gathers_through_maps(name, keys):
 NEAR_MISSES = {  # name: (function, compile-time layout, by sequence, words of the reason)
     "other_page_size": (other_page_size, KCacheLayout(P), True, "offsets"),
     "shifted_slot": (slot_byte_offsets(KCacheLayout(P), shift=1), KCacheLayout(P), False, "offsets"),
+    "scale_from_a_second_cache": (scale_read_elsewhere("second_cache"), KCacheLayout(P), False, "one K cache"),
+    "scale_of_the_next_slot": (scale_read_elsewhere("next_slot"), KCacheLayout(P), False, "k_scale's bytes"),
     "row_major_read_preshuffle_layout": (slot_byte_offsets(KCacheLayout(P)), KCacheLayout(P, True), False,
                                          "preshuffle"),
 }
@@ -121,6 +135,8 @@ NEAR_MISSES = {  # name: (function, compile-time layout, by sequence, words of t
 def test_leaves_lookalikes_alone(name):
     fn, layout, by_sequence, words = NEAR_MISSES[name]
     args = inputs(7, by_sequence)
+    if name.startswith("scale_"):  # a second cache of the first's shape (only the first holds K)
+        args = (*args, random_cache(6, P, FN, torch.Generator().manual_seed(9)))
     result, before, after, removed = run_pass(gather_k_slots_pass(layout), count_index, fn, *args)
     assert result.matched == 0 and removed == 0 and torch.equal(before, after)
     reasons = [m["reason"] for m in result.near_misses]
