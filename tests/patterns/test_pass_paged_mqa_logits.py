@@ -124,11 +124,15 @@ class Variant(Indexer):
             weights = weights.mean(dim=1, keepdim=True).expand(-1, c.n_heads)
         if self.variant == "weights_bf16":
             weights = weights.bfloat16()
+        if self.variant == "weights_read_transposed":  # a view: row r, head h reads weights.flatten()[h * rows + r]
+            weights = weights.reshape(c.n_heads, -1).t()
         key_pos = torch.arange(max_len, device=x.device)
         from nsa_inductor.indexer import paged_slots
 
         slots = paged_slots(block_table, key_pos.expand(batch, max_len), self.layout.page_size)
         k_fp8, k_scale = self.layout.load(kv_cache, slots.flatten(), c.fp8_dtype)
+        if self.variant == "k_scale_other_cache":  # a second cache of the same shape, set by the test
+            k_scale = self.layout.load(self.scale_cache, slots.flatten(), c.fp8_dtype)[1]
         k = k_fp8.float().view(batch, max_len, c.head_dim)
         q = q_fp8.view(batch, next_n, c.n_heads, c.head_dim)
         if self.variant == "q_bf16":  # the same values, but not fp8 q: the op reads q as fp8
@@ -172,6 +176,8 @@ NEGATIVES = {
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),
+    "weights_read_transposed": ("paged", "paged", 1, "per (row, head)"),
+    "k_scale_other_cache": ("paged", "paged", 1, "different caches"),
     "no_weights": ("paged", "paged", 1, "no per-head weight factor"),
     "q_bf16": ("paged", "paged", 1, "fp8 -> fp32 upcast of q"),
     "q_dims_repeated": ("paged", "paged", 1, "every q dim exactly once"),
@@ -197,7 +203,9 @@ def test_does_not_fire_on_lookalikes(variant):
     options = {"nsa.layout": compiled_layout, "nsa.page_size": c_layout.page_size, "nsa.dump_dir": str(dump_dir)}
     compiled_fn = torch.compile(model.decode, backend="nsa_rocm", options=options)
     lens = [5, 33, 17] if next_n == 1 else [20, 40]
-    assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=1))
+    batch = decode_batch(config, layout, lens, next_n=next_n, max_len=48, seed=1)
+    model.scale_cache = batch.kv_cache.flip(0)  # read by k_scale_other_cache only
+    assert_matches_eager(model.decode, compiled_fn, batch)
     reasons = near_miss_reasons(dump_dir, NAME)
     assert reasons, "no near miss recorded"
     assert any(words in r for r in reasons), reasons
