@@ -124,6 +124,9 @@ class Variant(Indexer):
             weights = weights.mean(dim=1, keepdim=True).expand(-1, c.n_heads)
         if self.variant == "weights_bf16":
             weights = weights.bfloat16()
+        if self.variant == "weights_two_of_four_splits":  # P[0] + P[1] of a P [4, rows, H]: not a whole split-K sum
+            parts = torch.stack([weights, weights * 0, weights * 2, weights * 3])
+            weights = parts[0] + parts[1]
         if self.variant == "weights_read_transposed":  # a view: row r, head h reads weights.flatten()[h * rows + r]
             weights = weights.reshape(c.n_heads, -1).t()
         key_pos = torch.arange(max_len, device=x.device)
@@ -228,3 +231,16 @@ def test_folds_number_factors_outside_the_relu():
     call = re.search(r"nsa\.paged_mqa_logits\.default\((\w+), (\w+), (\w+), .*, (\w+), ([0-9.e-]+)\)", after)
     assert re.search(rf"{call[3]} = torch\.ops\.aten\.reshape\.default\(getitem_\d+, \[\d, -1, 16\]\)", after)
     assert float(call[5]) == pytest.approx(0.00048828125, rel=1e-12)
+
+
+def test_weights_summed_from_some_splits_are_one_factor():
+    """``P[0] + P[1]`` of a ``P [4, rows, H]``: the rewrite takes the sum as the weights, not ``P`` as the head
+    gate's split-K partials (the op would add all four)."""
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    model = type("V", (Variant,), {"variant": "weights_two_of_four_splits"})(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-some-splits-"))
+    options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options)
+    assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, [5, 33, 17], max_len=48, seed=2))
+    assert_fired(dump_dir)
