@@ -63,13 +63,20 @@ def slot_byte_offsets(layout, shift=0):
 
 
 def scale_read_elsewhere(how):
-    """K read at the slot's offsets; k_scale from ``cache2`` (a second input of the same shape) or at the next
-    slot's scale (``how``): the op reads the slot's own scale from the K cache."""
+    """K read at the slot's offsets; k_scale (``how``) from ``cache2`` (a second input of the same shape), at the
+    next slot's scale, or from the slot's scale bytes in the order 0, 2, 1, 3: the op reads the slot's own scale."""
     layout = KCacheLayout(P)
 
     def fn(q, w, ks, ke, cache, slots, cache2):
-        k8, _ = layout.load(cache, slots, FN)
-        k_scale = layout.load(cache2, slots, FN)[1] if how == "second_cache" else layout.load(cache, slots + 1, FN)[1]
+        k8, k_scale = layout.load(cache, slots, FN)
+        if how == "second_cache":
+            k_scale = layout.load(cache2, slots, FN)[1]
+        elif how == "next_slot":
+            k_scale = layout.load(cache, slots + 1, FN)[1]
+        else:
+            j = torch.arange(4)
+            byte = layout.scale_offsets(slots)[:, :1] + torch.where((j == 1) | (j == 2), 3 - j, j)
+            k_scale = cache.view(-1)[byte].contiguous().view(torch.float32).squeeze(-1)
         return logits(k8, k_scale, q, w, ks, ke)
     return fn
 
@@ -126,6 +133,7 @@ NEAR_MISSES = {  # name: (function, compile-time layout, by sequence, words of t
     "shifted_slot": (slot_byte_offsets(KCacheLayout(P), shift=1), KCacheLayout(P), False, "offsets"),
     "scale_from_a_second_cache": (scale_read_elsewhere("second_cache"), KCacheLayout(P), False, "one K cache"),
     "scale_of_the_next_slot": (scale_read_elsewhere("next_slot"), KCacheLayout(P), False, "k_scale's bytes"),
+    "scale_bytes_out_of_order": (scale_read_elsewhere("bytes_swapped"), KCacheLayout(P), False, "not consecutive"),
     "row_major_read_preshuffle_layout": (slot_byte_offsets(KCacheLayout(P)), KCacheLayout(P, True), False,
                                          "preshuffle"),
 }
