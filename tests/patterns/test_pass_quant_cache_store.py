@@ -276,8 +276,14 @@ def rotated_store_returning_k(y, slots, cache):
     return k
 
 
+def rotated_store_of_bf16(y, slots, cache):
+    """``y`` in bf16: the product is rounded to bf16 before the fp16 cast, so the op cannot take ``y`` and scale it
+    itself in fp32."""
+    reference_store(LAYOUTS["paged"])((y.bfloat16() * 128**-0.5).to(torch.float16), slots, cache)
+
+
 @pytest.mark.parametrize("fn, input_dtype", [(rotated_store, "torch.bfloat16"), (rotated_store_fp16, "torch.float16"),
-                                             (rotated_store_returning_k, None)])
+                                             (rotated_store_returning_k, None), (rotated_store_of_bf16, None)])
 def test_the_rotation_epilogue_moves_into_the_op(fn, input_dtype):
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(12, 128, generator=gen) * torch.rand(12, 1, generator=gen) * 40
