@@ -39,9 +39,10 @@ def page_view_store(page_size):
     return store
 
 
-def masked_store(layout, writes, masked_out=0, scale_masked=True):
+def masked_store(layout, writes, masked_out=0, scale_masked=True, old_of_other_tokens=False):
     """The eager store's masked delta on the cache bytes, with ``writes(slots)`` the tokens that write, adding
-    ``masked_out`` where they do not; ``scale_masked=False``: the scale written plainly (negative slots wrap)."""
+    ``masked_out`` where they do not; ``scale_masked=False``: the scale written plainly (negative slots wrap);
+    ``old_of_other_tokens``: the delta subtracts the bytes at the tokens' slots in reverse order."""
 
     def store(k, slots, cache):
         k_fp8, k_scale = act_quant(k)
@@ -54,7 +55,8 @@ def masked_store(layout, writes, masked_out=0, scale_masked=True):
         else:
             flat[layout.scale_offsets(slots)] = scale_bytes
         for offsets, new in pairs:
-            flat.index_put_((offsets,), torch.where(valid, new - flat[offsets], masked_out), accumulate=True)
+            old = flat[offsets.flip(0)] if old_of_other_tokens else flat[offsets]
+            flat.index_put_((offsets,), torch.where(valid, new - old, masked_out), accumulate=True)
 
     return store
 
@@ -90,6 +92,8 @@ VARIANTS = {
     "near-miss-masked-out-one": (masked_store(LAYOUTS["paged"], lambda s: s >= 0, masked_out=1), "paged", False),
     "near-miss-scale-unmasked": (masked_store(LAYOUTS["paged"], lambda s: s >= 0, scale_masked=False), "paged",
                                  False),
+    "near-miss-delta-of-other-bytes": (masked_store(LAYOUTS["paged"], lambda s: s >= 0, old_of_other_tokens=True),
+                                       "paged", False),
     "near-miss-doubled-scale": (doubled_scale_store, "paged", False),
     "near-miss-mirrored": (mirrored_store, "paged", False),
     "near-miss-first-of-shared-slot": (
@@ -104,6 +108,7 @@ REASONS = {
     "near-miss-first-of-shared-slot": "another token than the last",
     "near-miss-masked-out-one": "masked-out delta is 1",
     "near-miss-scale-unmasked": "treat padding slots differently",
+    "near-miss-delta-of-other-bytes": "does not subtract the bytes already at the written offsets",
     "near-miss-doubled-scale": "not the scale of the quantized values",
     "near-miss-mirrored": "one 128-byte value write and one 4-byte scale write",
 }
