@@ -265,6 +265,21 @@ def test_a_cache_past_the_start_of_its_storage_does_not_fire():
                       "not contiguous", dynamic=False, view=lambda c: c[1:])
 
 
+def moved_window_store(k, slots, cache):
+    """A store into the first half of the cache's pages, written back over the second half: not a store in place."""
+    layout, half = LAYOUTS["paged"], cache.shape[0] // 2
+    k_fp8, k_scale = act_quant(k)
+    flat = cache[:half].reshape(-1).index_put((layout.value_offsets(slots),), k_fp8.view(torch.uint8))
+    flat = flat.index_put((layout.scale_offsets(slots),), k_scale.view(torch.uint8).view(-1, 4))
+    cache[half:] = flat.view(half, -1)
+
+
+def test_a_window_written_back_elsewhere_does_not_fire():
+    k, slots, cache = inputs("paged", 6, 7, padding=False)
+    assert_store_kept(moved_window_store, k, slots % (NUM_SLOTS // 2), cache, "written back at another place",
+                      dynamic=False)
+
+
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
     """``rotate_activation``'s epilogue in front of act_quant: the op takes ``y`` and scales and rounds it itself."""
     reference_store(LAYOUTS["paged"])((y * 128**-0.5).to(dtype), slots, cache)
