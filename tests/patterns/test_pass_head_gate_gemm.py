@@ -157,7 +157,7 @@ class Gates(nn.Module):
         super().__init__()
         self.spelling = spelling
         dtype = torch.bfloat16 if spelling in ("bf16_linear_then_float", "bf16_weight_upcast") else torch.float32
-        self.proj = nn.Linear(64, 8, bias=spelling == "bias", dtype=dtype)
+        self.proj = nn.Linear(64, 8, bias=spelling in ("bias", "addmm_scaled"), dtype=dtype)
         self.requires_grad_(False)
 
     def forward(self, x, w_act):
@@ -178,6 +178,8 @@ class Gates(nn.Module):
             y = F.linear(x.float(), w.float())
         elif s == "rounded_after":  # the fp32 result rounded to bf16: a changed sum order could flip roundings
             y = F.linear(x.float(), w).bfloat16().float()
+        elif s == "addmm_scaled":  # bias * 2 + 0.5 * x @ W^T
+            y = torch.addmm(self.proj.bias, x.float(), w.t(), beta=2.0, alpha=0.5)
         elif s == "promoted_sum":  # bf16 + fp32 promotes: an fp32 activation that is not x's upcast
             y = F.linear(x + w_act[0], w)
         else:
@@ -194,6 +196,7 @@ class Gates(nn.Module):
         ("fp16_activation", "float16 before the upcast"),
         ("bf16_weight_upcast", "computed in the graph"),
         ("rounded_after", "rounded to torch.bfloat16 downstream"),
+        ("addmm_scaled", "addmm with beta=2.0 alpha=0.5"),
         ("promoted_sum", ""),  # (not this idiom: the pass may stay silent)
     ],
 )
