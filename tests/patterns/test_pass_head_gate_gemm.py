@@ -15,6 +15,7 @@ from torch import nn
 
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.quant import act_quant
 from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.other_indexer import OtherIndexer
 from helpers.pass_helpers import (compile_with_dumps, count_ops, graph_dirs, near_miss_reasons, pass_entry,
@@ -222,6 +223,42 @@ def test_spellings(spelling, expect):
         assert report["matched"] == 0
         assert not expect or any(expect in m["reason"] for m in report["near_misses"]), report
         assert rel <= 1e-6, rel
+
+
+class StoredGate(nn.Module):
+    """An fp32 GEMM of upcast x whose rows are also quantised into the K cache: a changed sum order could change
+    the stored fp8 bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 128, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, x, cache, slots):
+        y = F.linear(x.float(), self.proj.weight)
+        k_fp8, k_scale = act_quant(y)
+        LAYOUT.store(cache, slots, k_fp8, k_scale[:, 0])
+        gates = y[:, :8] * 0.5
+        return gates, to_logits(gates)
+
+
+def test_a_gate_also_stored_in_the_cache_keeps_its_numerics():
+    torch.manual_seed(0)
+    module = StoredGate()
+    x = torch.randn(6, 64).to(torch.bfloat16)
+    cache = torch.randint(0, 256, (LAYOUT.num_pages(64), LAYOUT.page_bytes), dtype=torch.uint8)
+    slots = torch.randperm(64)[:6]
+    options = {**OTHERS_OFF, "nsa.disable_passes": ["paged_mqa_logits", "ragged_mqa_logits", "wk_gate_gemm"]}
+    compiled_fn, dump_dir = compile_with_dumps(module, options)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    with torch.no_grad():
+        expected, actual = module(x, eager_cache, slots)[0], compiled_fn(x, compiled_cache, slots)[0]
+    assert torch.equal(actual, expected) and torch.equal(compiled_cache, eager_cache)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "quant_cache_store")["matched"] == 1
+    report = pass_entry(graph_dir, "head_gate_gemm")
+    assert report["matched"] == 0
+    assert any("quantized to fp8 downstream" in m["reason"] for m in report["near_misses"]), report
 
 
 class PlainGate(nn.Module):
