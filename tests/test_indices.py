@@ -152,6 +152,16 @@ def _store(k, slots, cache):
     torch.ops.nsa.quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN)
 
 
+def _store_into_first_pages(k, slots, cache):
+    """The store into a view of the cache's first two pages: slots past them are out of range."""
+    torch.ops.nsa.quant_cache_store(k, cache[:2], slots, 16, False, "ue8m0", FN)
+
+
+def _store_into_flat_pool(k, slots, pool):
+    """The store into the first two pages of a flat byte pool, viewed as ``[pages, page_bytes]``."""
+    torch.ops.nsa.quant_cache_store(k, pool[: 2 * 16 * 132].view(2, -1), slots, 16, False, "ue8m0", FN)
+
+
 def _store_idiom(k, slots, cache):
     """The eager store, which the quant_cache_store pass rewrites into the op."""
     from nsa_inductor.quant import act_quant
@@ -182,6 +192,10 @@ def _checks_cases():
     gather_table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
     return {  # name: (function, good arguments, bad arguments, the argument the error names)
         "store": (_store, (k, torch.tensor([3, -1]), cache), (k, torch.tensor([3, 48]), cache), "slot_mapping"),
+        "store-view": (_store_into_first_pages, (k, torch.tensor([31, -1]), cache), (k, torch.tensor([3, 40]), cache),
+                       "slot_mapping"),
+        "store-pool": (_store_into_flat_pool, (k, torch.tensor([31, -1]), cache.view(-1)),
+                       (k, torch.tensor([3, 40]), cache.view(-1)), "slot_mapping"),
         "store-rewritten": (_store_idiom, (k, torch.tensor([3, -1]), cache), (k, torch.tensor([3, 48]), cache),
                             "slot_mapping"),
         "paged-table": (_paged_logits, (q, cache, w, ctx, table), (q, cache, w, ctx, table.clone().fill_(3)),
@@ -197,7 +211,7 @@ def _checks_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["store", "store-rewritten", "paged-table", "paged-context", "gather-cu", "slots-seq"])
+@pytest.mark.parametrize("name", ["store", "store-view", "store-pool", "store-rewritten", "paged-table", "paged-context", "gather-cu", "slots-seq"])
 def test_checks_raise_naming_the_argument(name):
     """``nsa.checks``: in-contract ids give the op's result; an id the default mode would mask raises an error
     naming the argument (a device-side assert; on the CPU a RuntimeError)."""
@@ -223,7 +237,8 @@ sys.path.insert(0, "tests")
 import nsa_inductor
 from test_indices import _checks_cases
 assert "checks=on (NSA_INDUCTOR_CHECKS)" in nsa_inductor.describe()
-for name in ["store", "paged-table", "paged-context", "gather-cu", "slots", "slots-seq", "slots-table"]:
+for name in ["store", "store-view", "store-pool", "paged-table", "paged-context", "gather-cu", "slots", "slots-seq",
+             "slots-table"]:
     fn, good, bad, argument = _checks_cases()[name]
     fn(*good)
     try:

@@ -71,10 +71,13 @@ def _size(call, tensor: torch.fx.Node, dim: int):
 
 
 def _cache_pages(store: torch.fx.Node):
-    """Pages of the cache a functionalized store writes (v2 names a base tensor and, for a view of it, its size)."""
+    """Pages of the cache a functionalized store writes: v2 names a base tensor and, for a view of it, either the
+    view's size (an ``as_strided`` view) or the rows of the base it slices (``cache[a:b]``)."""
     kwargs = store.kwargs
     if "cache" in kwargs:
         return val(kwargs["cache"]).shape[0]
     if "_cache_size" in kwargs:
         return kwargs["_cache_size"][0]
+    if kwargs.get("_cache_slice_dim") == 0:
+        return kwargs["_cache_slice_end"] - kwargs["_cache_slice_start"]
     return val(kwargs["_all_bases"][kwargs["_cache_base_index"]]).shape[0]
