@@ -59,6 +59,23 @@ def decode_writing_x(x, gate_w, wk_w, cache, slots, q, lens, table):
     return logits
 
 
+@torch.library.custom_op("nsa_test::double_", mutates_args=("x",))
+def double_(x: torch.Tensor) -> None:
+    """A user's op that writes its argument: Dynamo calls it through ``auto_functionalized``."""
+    x.mul_(2)
+
+
+@double_.register_fake
+def _(x):
+    return None
+
+
+def decode_writing_x_in_an_op(x, gate_w, wk_w, cache, slots, q, lens, table):
+    logits = decode(x, gate_w, wk_w, cache, slots, q, lens, table)
+    double_(x)
+    return logits
+
+
 def inputs():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
@@ -106,6 +123,7 @@ def test_the_k_side_goes_on_the_side_stream_and_the_logits_join_it():
     (decode_summing_k, "not read by one nsa.quant_cache_store alone"),
     (decode_reading_the_cache_again, "is also used by"),
     (decode_writing_x, "read by the K side, is written by"),
+    (decode_writing_x_in_an_op, "read by the K side, is written by auto_functionalized"),
 ])
 def test_near_misses_keep_one_stream(fn, reason):
     entry = pass_entry(run(fn), "side_stream")
