@@ -6,7 +6,9 @@ import torch
 
 from nsa_inductor.indexer import apply_rope, hadamard_matrix, rope_cos_sin
 from nsa_inductor.patterns.rope_prologue import RopePrologue
-from helpers.pass_helpers import run_pass
+from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.quant import act_quant
+from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_entry, run_pass
 
 FN = torch.float8_e4m3fn
 TABLE = rope_cos_sin(64, 40, 10000.0)  # [P, 2, 32]: cos then sin
@@ -195,3 +197,27 @@ def test_no_rope_at_all_is_a_near_miss_not_a_rewrite():
                                               lambda x, table, positions, h: quantized(x, h), *inputs(3, 2))
     assert result.matched == 0 and removed == 0 and len(result.near_misses) == 1
     assert_same(after, before)
+
+
+def fp32_rows_stored(k, positions, cache, slots):
+    """RoPE on fp32 rows, quantised into the cache from fp32: the prologue turns bf16 rows (it would round them)."""
+    k = k.float()
+    k[:, :64] = apply_rope(k[:, :64], *_rows_table(TABLE, positions, k), interleaved=False)
+    values, scale = act_quant(k)
+    KCacheLayout(16).store(cache, slots, values, scale[:, 0])
+
+
+def test_a_rope_on_fp32_rows_stays_in_the_graph():
+    x, _, positions, _ = inputs(5, 1)
+    cache = torch.randint(0, 256, (2, 16 * 132), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([3, 17, -1, 0, 30])
+    compiled_fn, dump_dir = compile_with_dumps(fp32_rows_stored, {"nsa.layout": "paged", "nsa.page_size": 16},
+                                               dynamic=False)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fp32_rows_stored(x[:, 0], positions, eager_cache, slots)
+    compiled_fn(x[:, 0], positions, compiled_cache, slots)
+    assert torch.equal(compiled_cache, eager_cache)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "quant_cache_store")["matched"] == 1
+    entry = pass_entry(graph_dir, "rope_prologue")
+    assert entry["matched"] == 0 and "not bf16 rows of 128" in entry["near_misses"][0]["reason"], entry
