@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import as_int, describe, erase_dead, insert_call, is_op, is_store, sym_equal, tensor_val, view_chain
 from .mqa import graph_cache_layout
-from .mqa.proofs import analyze, cache_values
+from .mqa.proofs import analyze, cache_values, product_dots, reads_fp8
 from .mqa.proofs import candidates as logits_candidates
 
 aten = torch.ops.aten
@@ -136,8 +136,8 @@ class IndexerLogits(NamedTuple):
 def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> IndexerLogits:
     """The nodes holding indexer logits: ``nsa`` logits ops, and the head sums of plain-torch MQA logits that
     :func:`~.mqa.proofs.analyze` proves (on the graph as it is, before the logits passes rewrite them) or that are
-    masked with -inf (a head sum of dot products under a ``where(mask, ., -inf)``: the logits idiom, also where the
-    proof needs the gate's scale chain folded first, as in a dynamic-shape prefill graph)."""
+    masked with -inf (a head sum of dot products of fp8 values under a ``where(mask, ., -inf)``: the logits idiom,
+    also where the proof needs the gate's scale chain folded first, as in a dynamic-shape prefill graph)."""
     found = {n for n in graph.nodes if n.op == "call_function" and str(n.target) in _LOGITS_OPS}
     if ctx is None:
         return IndexerLogits(found, None)
@@ -154,6 +154,9 @@ def indexer_logits(graph: torch.fx.Graph, ctx: PassContext | None) -> IndexerLog
             except NearMiss as e:
                 unproven = unproven or str(e)
                 continue
+        elif not any(reads_fp8(dot) for dot in product_dots(sum_node)):
+            unproven = unproven or f"the -inf-masked head sum {describe(sum_node)} has no dot of fp8 values"
+            continue
         found.add(sum_node)
     return IndexerLogits(found, unproven)
 

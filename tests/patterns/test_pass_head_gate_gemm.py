@@ -261,6 +261,35 @@ def test_a_gate_also_stored_in_the_cache_keeps_its_numerics():
     assert any("quantized to fp8 downstream" in m["reason"] for m in report["near_misses"]), report
 
 
+class MaskedHeadSum(nn.Module):
+    """Gates times cache bytes, summed over the heads and masked with -inf, but no q·k dot: not indexer logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 8, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, x, cache):
+        gates = F.linear(x.float(), self.proj.weight)
+        summed = (gates[:, :, None] * cache.view(-1)[:32].view(8, 4).float()).sum(1)
+        return torch.where(torch.arange(4) < 3, summed, float("-inf"))
+
+
+def test_a_masked_head_sum_without_a_dot_is_not_indexer_logits():
+    torch.manual_seed(0)
+    module = MaskedHeadSum()
+    x = torch.randn(6, 64).to(torch.bfloat16)
+    cache = torch.randint(0, 256, (LAYOUT.num_pages(64), LAYOUT.page_bytes), dtype=torch.uint8)
+    compiled_fn, dump_dir = compile_with_dumps(module, OTHERS_OFF)
+    with torch.no_grad():
+        expected, actual = module(x, cache), compiled_fn(x, cache)
+    (graph_dir,) = graph_dirs(dump_dir)
+    report = pass_entry(graph_dir, "head_gate_gemm")
+    assert report["matched"] == 0
+    assert any("reaches no indexer logits" in m["reason"] for m in report["near_misses"]), report
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)  # (Inductor's own sum order)
+
+
 class PlainGate(nn.Module):
     def __init__(self):
         super().__init__()

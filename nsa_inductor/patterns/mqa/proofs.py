@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...layout import HEAD_DIM, KCacheLayout
 from ...quant import FP8_DTYPES
 from ..base import NearMiss
-from ..fx_utils import VIEW_OPS, arg, as_int, is_op, same_shape, tensor_val, val, view_chain
+from ..fx_utils import VIEW_OPS, arg, as_int, is_op, prims, same_shape, tensor_val, val, view_chain
 from .probe import INT_DTYPES, RESHAPES, Prober, Probes, bmap, follow, linear, shape_of, unravel
 
 aten = torch.ops.aten
@@ -93,18 +93,32 @@ def is_dot(node: torch.fx.Node) -> bool:
     return is_op(node, aten.bmm.default, aten.mm.default)
 
 
+def product_dots(sum_node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The dots among the factors of the product ``sum_node`` sums (inside relu or not); none where the summand is
+    not a product of at least two factors."""
+    factors, _ = product_tree(sum_node.args[0])
+    inner = []
+    for f in factors:
+        r = relu_input(f)
+        inner += product_tree(r)[0] if r is not None else [f]
+    return [f for f in inner if is_dot(f)] if len(factors) >= 2 else []
+
+
+def reads_fp8(dot: torch.fx.Node) -> bool:
+    """Whether an operand of ``dot`` is fp8 values upcast (through re-indexing): the q·k of indexer logits, not a
+    GEMM of bf16 or fp32 activations."""
+    for operand in dot.args[:2]:
+        source = view_chain(operand, REINDEX)[0]
+        if is_op(source, prims.convert_element_type.default) and val(source.args[0]).dtype in FP8_DTYPES:
+            return True
+    return False
+
+
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
     """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not)."""
     found = []
     for node in graph.nodes:
-        if not is_op(node, aten.sum.dim_IntList):
-            continue
-        factors, _ = product_tree(node.args[0])
-        inner = []
-        for f in factors:
-            r = relu_input(f)
-            inner += product_tree(r)[0] if r is not None else [f]
-        if len(factors) < 2 or not any(is_dot(f) for f in inner):
+        if not is_op(node, aten.sum.dim_IntList) or not product_dots(node):
             continue
         where = None
         cur = node
