@@ -29,6 +29,10 @@ def normed_without_affine(y, cache, slots):
     _store(torch.nn.functional.layer_norm(y, [128]), cache, slots)
 
 
+def normed_with_bias_only(y, cache, slots):
+    _store(torch.nn.functional.layer_norm(y, [128], None, BIAS, 1e-6), cache, slots)
+
+
 def normed_over_halves(y, cache, slots):
     _store(torch.nn.functional.layer_norm(y.view(-1, 2, 64), [64], WEIGHT[:64], BIAS[:64]).view(-1, 128), cache,
            slots)
@@ -66,6 +70,7 @@ def test_the_layer_norm_moves_into_the_store(tokens):
 
 @pytest.mark.parametrize("fn, reason", [
     (normed_without_affine, "no weight or no bias"),
+    (normed_with_bias_only, "no weight or no bias"),
     (normed_over_halves, "is not a LayerNorm's output"),
     (normed_over_all_rows, "normalises [4, 128]"),
     (normed_and_returned, "also read by"),
