@@ -109,8 +109,10 @@ def reads_fp8(dot: torch.fx.Node) -> bool:
     GEMM of bf16 or fp32 activations."""
     for operand in dot.args[:2]:
         source = view_chain(operand, REINDEX)[0]
-        if is_op(source, prims.convert_element_type.default) and val(source.args[0]).dtype in FP8_DTYPES:
-            return True
+        if is_op(source, prims.convert_element_type.default):
+            values = tensor_val(source.args[0])
+            if values is not None and values.dtype in FP8_DTYPES:
+                return True
     return False
 
 
