@@ -302,8 +302,14 @@ def rotated_store_of_bf16(y, slots, cache):
     reference_store(LAYOUTS["paged"])((y.bfloat16() * 128**-0.5).to(torch.float16), slots, cache)
 
 
+def shifted_store(y, slots, cache):
+    """``y + 0.5``: not a scale the op can take."""
+    reference_store(LAYOUTS["paged"])((y + 0.5).to(torch.bfloat16), slots, cache)
+
+
 @pytest.mark.parametrize("fn, input_dtype", [(rotated_store, "torch.bfloat16"), (rotated_store_fp16, "torch.float16"),
-                                             (rotated_store_returning_k, None), (rotated_store_of_bf16, None)])
+                                             (rotated_store_returning_k, None), (rotated_store_of_bf16, None),
+                                             (shifted_store, None)])
 def test_the_rotation_epilogue_moves_into_the_op(fn, input_dtype):
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(12, 128, generator=gen) * torch.rand(12, 1, generator=gen) * 40
@@ -322,7 +328,7 @@ def test_the_rotation_epilogue_moves_into_the_op(fn, input_dtype):
         assert f"input_scale = 0.08838834764831845, input_dtype = {input_dtype}" in store
         assert count_ops(after, "aten.mul") == 0 and count_ops(after, "prims.convert_element_type") == 0
     else:
-        assert "input_scale" not in store and count_ops(after, "aten.mul") == 1
+        assert "input_scale" not in store and count_ops(after, "aten.mul") + count_ops(after, "aten.add") == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
