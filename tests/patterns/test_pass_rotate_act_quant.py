@@ -159,6 +159,12 @@ def k_path(x, h, slots, cache):
     LAYOUT.store(cache, slots, k_fp8, k_scale.squeeze(-1))
 
 
+def k_fp16_path(x, h, slots, cache):
+    """The k side rounded to fp16: the fused rotation rounds to bf16."""
+    k_fp8, k_scale = act_quant((x.float() @ h / math.sqrt(128)).to(torch.float16))
+    LAYOUT.store(cache, slots, k_fp8, k_scale.squeeze(-1))
+
+
 def q_values_path(x, h):
     """The q side whose scale nothing reads but its own values (weights without q's scale)."""
     return act_quant((x.float() @ h * C).to(torch.bfloat16))[0]
@@ -166,7 +172,7 @@ def q_values_path(x, h):
 
 @functools.cache
 def compiled_path(name, disabled=()):
-    fn = {"q": q_path, "k": k_path, "q_values": q_values_path}[name]
+    fn = {"q": q_path, "k": k_path, "k_fp16": k_fp16_path, "q_values": q_values_path}[name]
     options = {**STORE_OPTIONS, "nsa.disable_passes": list(disabled)}
     return fn, *compile_with_dumps(fn, options, dynamic=False)
 
@@ -209,6 +215,20 @@ def test_k_side_store_takes_the_rotation(tokens):
     before, after = pass_graphs(graph, "rotate_act_quant")
     assert count_ops(before, "aten.mm") == 1 and count_ops(after, "aten.mm") == 0
     assert "rotation = " in after and "input_divide = True" in after
+
+
+def test_a_k_side_rounded_to_fp16_keeps_the_gemm():
+    fn, compiled_fn, dump_dir = compiled_path("k_fp16")
+    x, slots = rows((9,)), torch.arange(9)
+    cache = torch.zeros(4, LAYOUT.page_bytes, dtype=torch.uint8)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fn(x, H32, slots, eager_cache)
+    compiled_fn(x, H32, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    (graph,) = graph_dirs(dump_dir)
+    assert pass_entry(graph, "quant_cache_store")["matched"] == 1
+    entry = pass_entry(graph, "rotate_act_quant")
+    assert entry["matched"] == 0 and any("input_dtype torch.float16" in m["reason"] for m in entry["near_misses"]), entry
 
 
 def test_disabling_the_pass_keeps_the_gemm_and_eager_bytes():
