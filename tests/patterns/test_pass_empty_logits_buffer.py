@@ -120,14 +120,14 @@ def test_near_misses(case, reason):
 
 
 def paged_into_buffer(q8, cache, w, ctx, bt, *, max_len=None, width=1024, write_end=None, extra_use=False, fill=INF,
-                      write_start=0, rows_merged=False):
+                      write_start=0, rows_merged=False, write_step=1):
     m = bt.shape[1] * LAYOUT.page_size if max_len is None else max_len
     scores = torch.ops.nsa.paged_mqa_logits(q8, cache, w, ctx, bt, m, LAYOUT.page_size, False)
     if rows_merged:  # two rows a buffer row
         scores = scores.reshape(-1, 2 * m)
     logits = torch.full((scores.shape[0], width), fill)
     end = scores.shape[1] if write_end is None else write_end
-    logits[:, write_start:write_start + end] = scores[:, :end]
+    logits[:, write_start:write_start + write_step * end:write_step] = scores[:, :end]
     return (logits, scores.sum()) if extra_use else logits
 
 
@@ -146,6 +146,7 @@ def test_paged_logits_write_whole_buffer(width):
      ({"extra_use": True}, "also used elsewhere"),
      ({"fill": 0.0}, None),  # the op would write -inf past max_len; other fills than -inf are not reported
      ({"write_start": 4}, "fill whole rows from column 0"),
+     ({"write_step": 2}, "fill whole rows from column 0"),
      ({"rows_merged": True}, "reshaped before the write")],
 )
 def test_paged_logits_near_misses(kwargs, reason):
