@@ -112,7 +112,24 @@ def _k_padded_on_one_side(a, b):
     return torch.mm(F.pad(a[:, :-2], (0, 2, 0, 2)), b)[: a.shape[0]]
 
 
+def _columns_padded_on_the_left(a, b):
+    return torch.mm(a, F.pad(b, (2, 0)))[:, : b.shape[1]]
+
+
+def _negative_padding(a, b):
+    """K cut by 3 on both sides (a negative pad is a slice): not zero terms added."""
+    return torch.mm(F.pad(a, (0, -3)), F.pad(b, (0, 0, 0, -3)))[: a.shape[0]]
+
+
+def _every_second_row(a, b):
+    """As many rows as the unpadded product, but every second one of the padded product."""
+    return torch.mm(F.pad(a, (0, 0, 0, a.shape[0])), b)[::2]
+
+
 NEAR_MISSES = {
+    "columns-padded-on-the-left": (_columns_padded_on_the_left, "not zeros on the right of the last two dimensions"),
+    "negative-padding": (_negative_padding, "not zeros on the right of the last two dimensions"),
+    "every-second-row": (_every_second_row, "to other than its unpadded rows and columns"),
     "read-past-the-rows": (_read_past_the_rows, "to other than its unpadded rows and columns"),
     "slice-not-from-zero": (_slice_not_from_zero, "to other than its unpadded rows and columns"),
     "padded-product-read-whole": (_padded_product_read_whole, "not only through slices back to [6, 64]"),
