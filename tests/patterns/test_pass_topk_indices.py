@@ -54,6 +54,12 @@ def where_spelling_int64(logits, offset, k):
     return torch.where(values.isneginf(), -1, indices - offset.view(-1, 1))
 
 
+def indexer_topk_uint8(logits, k):
+    """Cast to uint8 (-1 becomes 255): the op's int32 output may replace only a cast to int32."""
+    values, indices = torch.topk(logits, k, dim=-1)
+    return indices.masked_fill(values == INF, -1).to(torch.uint8)
+
+
 def as_rows(t: torch.Tensor) -> list[list[int]]:
     return [sorted(r) for r in t.tolist()]
 
@@ -65,7 +71,8 @@ def test_fires_and_keeps_the_sets(case):
     for fn, args in ((lambda x: indexer_topk(x, k), (logits,)),
                      (lambda x, o: indexer_topk_with_offset(x, o, k), (logits, offset)),
                      (lambda x, o: topk_indices.search(x, o, k), (logits, offset)),
-                     (lambda x, o: where_spelling_int64(x, o, k), (logits, offset))):
+                     (lambda x, o: where_spelling_int64(x, o, k), (logits, offset)),
+                     (lambda x: indexer_topk_uint8(x, k), (logits,))):
         result, before, after, removed = run_pass(fn, *args)
         assert (result.matched, removed) == (1, 1), result.near_misses
         # distinct finite values: torch's descending order is the only one, and the -1 entries come last
