@@ -68,6 +68,15 @@ def mirrored_store(k, slots, cache):
         LAYOUTS["paged"].store(cache, at, k_fp8, k_scale[:, 0])
 
 
+def scale_half_overwritten_store(k, slots, cache):
+    """The store, then a third write of neither size the op makes: each token's first two value bytes over the first
+    two of its scale."""
+    k_fp8, k_scale = act_quant(k)
+    layout = LAYOUTS["paged"]
+    layout.store(cache, slots, k_fp8, k_scale[:, 0])
+    cache.view(-1)[layout.scale_offsets(slots)[:, :2]] = k_fp8.view(torch.uint8)[:, :2]
+
+
 def doubled_scale_store(k, slots, cache):
     k_fp8, k_scale = act_quant(k)
     LAYOUTS["paged"].store(cache, slots, k_fp8, k_scale[:, 0] * 2)
@@ -96,6 +105,7 @@ VARIANTS = {
                                        "paged", False),
     "near-miss-doubled-scale": (doubled_scale_store, "paged", False),
     "near-miss-mirrored": (mirrored_store, "paged", False),
+    "near-miss-third-write": (scale_half_overwritten_store, "paged", False),
     "near-miss-first-of-shared-slot": (
         masked_store(LAYOUTS["paged"], lambda s: (s >= 0) & ~(s[:, None] == s[None, :]).tril(-1).any(1)), "paged",
         False),
@@ -111,6 +121,7 @@ REASONS = {
     "near-miss-delta-of-other-bytes": "does not subtract the bytes already at the written offsets",
     "near-miss-doubled-scale": "not the scale of the quantized values",
     "near-miss-mirrored": "one 128-byte value write and one 4-byte scale write",
+    "near-miss-third-write": "one 128-byte value write and one 4-byte scale write",
 }
 
 
