@@ -191,6 +191,16 @@ def test_near_misses_keep_the_rope_and_say_why(case):
     assert_same(after, before)
 
 
+def test_a_bf16_table_is_a_near_miss():
+    """vLLM keeps its cos/sin cache in the model's dtype: the op reads fp32 tables, so a bf16 one is reported."""
+    x, table, positions, h = inputs(5, 2)
+    result, before, after, removed = run_pass(RopePrologue(), prologues, neox_write_back, x, table.bfloat16(),
+                                              positions, h)
+    assert result.matched == 0 and removed == 0
+    assert "is not an fp32 parameter, buffer or constant" in result.near_misses[0]["reason"], result.near_misses
+    assert_same(after, before)
+
+
 def test_no_rope_at_all_is_a_near_miss_not_a_rewrite():
     """A rotation of rows nobody wrote into: reported (so a user sees the prologue did not apply), nothing changed."""
     result, before, after, removed = run_pass(RopePrologue(), prologues,
