@@ -409,6 +409,10 @@ def _scalar(node_or_value) -> float:
     return float(node_or_value)
 
 
+def _fp32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def _match_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, float, float]:
     if is_op(node, aten.clamp.default):
         return node.args[0], _scalar(node.args[1]), _scalar(node.args[2])
@@ -427,15 +431,21 @@ def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> st
         if not is_op(exponent, aten.ceil.default) or not is_op(exponent.args[0], aten.log2.default):
             raise NearMiss("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
         raw, fmt = exponent.args[0].args[0], "ue8m0"
+    # The factor is applied in fp32, so amax / d is the op's amax / fmax only where fp32(d) == fmax. A multiply by
+    # fp32(1 / fmax) is one rounding away: an fp32 scale keeps it; 2^ceil(log2(.)) does not, since that rounding never
+    # crosses a power of two (every fp32 amax checked for fmax 224, 240, 448 and 57344).
     if is_op(raw, aten.div.Tensor):
         divisor = _scalar(raw.args[1])
+        if _fp32(divisor) != fmax:
+            raise NearMiss(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
     elif is_op(raw, aten.mul.Tensor):
-        divisor = 1.0 / _scalar(raw.args[1])
+        factor = _scalar(raw.args[1])
+        if _fp32(factor) != _fp32(1.0 / fmax):
+            raise NearMiss(f"the scale divides by {1.0 / factor}, but the fp8 type's max is {fmax}")
+        if fmt == "fp32":
+            raise NearMiss(f"the fp32 scale multiplies by 1 / {fmax}, one rounding from the op's division by it")
     else:
         raise NearMiss("the scale is not amax / fp8 max")
-    if divisor != fmax and float(torch.tensor(1.0 / divisor, dtype=torch.float32)) != float(
-            torch.tensor(1.0 / fmax, dtype=torch.float32)):
-        raise NearMiss(f"the scale divides by {divisor}, but the fp8 type's max is {fmax}")
     floor = raw.args[0]
     if not is_op(floor, aten.clamp_min.default) or abs(_scalar(floor.args[1]) - AMAX_FLOOR) > 1e-12:
         raise NearMiss(f"amax is not floored at {AMAX_FLOOR}")

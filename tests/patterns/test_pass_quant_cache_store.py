@@ -285,6 +285,37 @@ def moved_window_store(k, slots, cache):
     cache[half:] = flat.view(half, -1)
 
 
+def reciprocal_scale_store(scale_fmt):
+    """The scale as ``amax * (1 / 448)``: for an fp32 scale one rounding from the op's ``amax / 448`` (about half of
+    all amax values), for a power-of-two scale the same bytes."""
+
+    def store(k, slots, cache):
+        x = k.float()
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-4) * (1.0 / 448.0)
+        if scale_fmt == "ue8m0":
+            scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
+        k_fp8 = torch.clamp(x / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+        LAYOUTS["paged"].store(cache, slots, k_fp8, scale.squeeze(-1))
+
+    return store
+
+
+def test_an_fp32_scale_multiplied_by_the_reciprocal_does_not_fire():
+    k, slots, cache = inputs("paged", 64, 8)
+    assert_store_kept(reciprocal_scale_store("fp32"), k, slots, cache, "multiplies by 1 / 448.0", dynamic=False)
+
+
+def test_a_power_of_two_scale_from_the_reciprocal_fires_with_eager_bytes():
+    fn = reciprocal_scale_store("ue8m0")
+    k, slots, cache = inputs("paged", 64, 8)
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fn(k, slots, eager_cache)
+    compiled_fn(k, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    assert pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")["matched"] == 1
+
+
 def test_a_window_written_back_elsewhere_does_not_fire():
     k, slots, cache = inputs("paged", 6, 7, padding=False)
     assert_store_kept(moved_window_store, k, slots % (NUM_SLOTS // 2), cache, "written back at another place",
