@@ -229,6 +229,16 @@ def per_column_scale_store(k, slots, cache):
     LAYOUTS["paged"].store(cache, slots, k_fp8, scale)
 
 
+def assert_store_rewritten(fn, k, slots, cache):
+    """``fn`` compiled (static shapes) has its store rewritten and writes eager's bytes."""
+    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    fn(k, slots, eager_cache)
+    compiled_fn(k, slots, compiled_cache)
+    assert torch.equal(eager_cache, compiled_cache)
+    assert pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")["matched"] == 1
+
+
 def assert_store_kept(fn, k, slots, cache, reason, dynamic=None, view=lambda c: c):
     """``fn`` compiled keeps Inductor's store, with ``reason`` in the pass's near miss, and writes eager's bytes
     (``view``: the cache ``fn`` gets, a view of ``cache``)."""
@@ -285,6 +295,12 @@ def moved_window_store(k, slots, cache):
     cache[half:] = flat.view(half, -1)
 
 
+def test_a_window_written_back_elsewhere_does_not_fire():
+    k, slots, cache = inputs("paged", 6, 7, padding=False)
+    assert_store_kept(moved_window_store, k, slots % (NUM_SLOTS // 2), cache, "written back at another place",
+                      dynamic=False)
+
+
 def reciprocal_scale_store(scale_fmt):
     """The scale as ``amax * (1 / 448)``: for an fp32 scale one rounding from the op's ``amax / 448`` (about half of
     all amax values), for a power-of-two scale the same bytes."""
@@ -306,20 +322,51 @@ def test_an_fp32_scale_multiplied_by_the_reciprocal_does_not_fire():
 
 
 def test_a_power_of_two_scale_from_the_reciprocal_fires_with_eager_bytes():
-    fn = reciprocal_scale_store("ue8m0")
-    k, slots, cache = inputs("paged", 64, 8)
-    compiled_fn, dump_dir = compile_with_dumps(fn, {"nsa.layout": "paged", "nsa.page_size": 16}, dynamic=False)
-    eager_cache, compiled_cache = cache.clone(), cache.clone()
-    fn(k, slots, eager_cache)
-    compiled_fn(k, slots, compiled_cache)
-    assert torch.equal(eager_cache, compiled_cache)
-    assert pass_entry(graph_dirs(dump_dir)[0], "quant_cache_store")["matched"] == 1
+    assert_store_rewritten(reciprocal_scale_store("ue8m0"), *inputs("paged", 64, 8))
 
 
-def test_a_window_written_back_elsewhere_does_not_fire():
-    k, slots, cache = inputs("paged", 6, 7, padding=False)
-    assert_store_kept(moved_window_store, k, slots % (NUM_SLOTS // 2), cache, "written back at another place",
-                      dynamic=False)
+def spelled_quant(x, exponent=torch.ceil, floor=lambda a: a.clamp(min=1e-4),
+                  reduce=lambda a: a.amax(-1, keepdim=True), magnitude=torch.abs, divisor=448.0, low=-448.0,
+                  power_of_two=True):
+    """act_quant written out, each step replaceable by one that quantises differently."""
+    x = x.float()
+    scale = floor(reduce(magnitude(x))) / divisor
+    if power_of_two:
+        scale = torch.exp2(exponent(torch.log2(scale)))
+    return torch.clamp(x / scale, low, 448.0).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+OTHER_QUANTS = {  # name: (the step changed, the near miss)
+    "floor_exponent": (dict(exponent=torch.floor), "2^ceil(log2"),
+    "rounded_exponent": (dict(exponent=torch.round), "2^ceil(log2"),
+    "other_divisor": (dict(divisor=240.0), "divides by 240"),
+    "other_floor": (dict(floor=lambda a: a.clamp(min=1e-6)), "floored at"),
+    "floor_added": (dict(floor=lambda a: a + 1e-4, power_of_two=False), "floored at"),
+    "sum_not_amax": (dict(reduce=lambda a: a.sum(-1, keepdim=True)), "amax(|x|)"),
+    "amax_of_the_negation": (dict(magnitude=torch.neg), "amax(|x|)"),
+    "asymmetric_clamp": (dict(low=-224.0), "values clamped to"),
+}
+
+
+def quant_inputs():
+    k, slots, cache = inputs("paged", 64, 0, padding=False)
+    k[3], k[4] = 0, k[4] * 1e-5  # a zero row and a tiny one: the amax floor decides their scales
+    return k, slots, cache
+
+
+def test_the_quantisation_spelled_out_fires_with_eager_bytes():
+    assert_store_rewritten(lambda k, slots, cache: LAYOUTS["paged"].store(cache, slots, *spelled_quant(k)),
+                           *quant_inputs())
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_QUANTS))
+def test_quantisations_spelled_otherwise_do_not_fire(name):
+    changed, reason = OTHER_QUANTS[name]
+
+    def store(k, slots, cache):
+        LAYOUTS["paged"].store(cache, slots, *spelled_quant(k, **changed))
+
+    assert_store_kept(store, *quant_inputs(), reason, dynamic=False)
 
 
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
