@@ -167,6 +167,22 @@ def test_near_misses(case, reason):
     assert reason in reasons(result), reasons(result)
 
 
+def test_a_write_back_rounded_through_a_bf16_copy_is_kept():
+    """``pe.copy_(b)`` with ``b`` a bf16 copy of ``pe``: the values come back rounded, not as the destination's own."""
+    def fn(x):
+        y = x * 2
+        pe = y[:, :4]
+        rounded = torch.empty_like(pe, dtype=torch.bfloat16)
+        rounded.copy_(pe)
+        pe.copy_(rounded)
+        return y
+
+    result, before, after, removed = run_pass(fn, torch.randn(3, 8) / 3)
+    assert result.matched == removed == 0
+    assert torch.equal(before, after)
+    assert "changes dtype" in reasons(result), reasons(result)
+
+
 def test_write_back_of_a_value_saved_before_a_mutation_is_kept():
     """``saved = x[:, :2].clone(); x.add_(1); x[:, :2] = saved`` restores the old values: not a self-copy."""
     def fn(x):
