@@ -38,6 +38,11 @@ def decode_returning_the_gates(x, gate_w, wk_w, cache, slots, q, lens, table):
     return _logits(q, cache, gate_p, lens, table), gate_p
 
 
+def decode_returning_k(x, gate_w, wk_w, cache, slots, q, lens, table):
+    gate_p, k_p = _k_side(x, gate_w, wk_w, cache, slots)
+    return _logits(q, cache, gate_p, lens, table), k_p
+
+
 def decode_summing_the_gates(x, gate_w, wk_w, cache, slots, q, lens, table):
     gate_p, _ = _k_side(x, gate_w, wk_w, cache, slots)
     return _logits(q, cache, gate_p[0] + gate_p[1], lens, table)
@@ -121,6 +126,7 @@ def test_the_k_side_goes_on_the_side_stream_and_the_logits_join_it():
     (decode_returning_the_gates, "not read by one nsa.paged_mqa_logits alone"),
     (decode_summing_the_gates, "not read by one nsa.paged_mqa_logits alone"),
     (decode_summing_k, "not read by one nsa.quant_cache_store alone"),
+    (decode_returning_k, "not read by one nsa.quant_cache_store alone"),
     (decode_reading_the_cache_again, "is also used by"),
     (decode_writing_x, "read by the K side, is written by"),
     (decode_writing_x_in_an_op, "read by the K side, is written by auto_functionalized"),
