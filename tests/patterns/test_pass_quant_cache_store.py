@@ -327,13 +327,13 @@ def test_a_power_of_two_scale_from_the_reciprocal_fires_with_eager_bytes():
 
 def spelled_quant(x, exponent=torch.ceil, floor=lambda a: a.clamp(min=1e-4),
                   reduce=lambda a: a.amax(-1, keepdim=True), magnitude=torch.abs, divisor=448.0, low=-448.0,
-                  power_of_two=True):
+                  power_of_two=True, log=torch.log2, power=torch.exp2, apply=torch.div):
     """act_quant written out, each step replaceable by one that quantises differently."""
     x = x.float()
     scale = floor(reduce(magnitude(x))) / divisor
     if power_of_two:
-        scale = torch.exp2(exponent(torch.log2(scale)))
-    return torch.clamp(x / scale, low, 448.0).to(torch.float8_e4m3fn), scale.squeeze(-1)
+        scale = power(exponent(log(scale)))
+    return torch.clamp(apply(x, scale), low, 448.0).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 OTHER_QUANTS = {  # name: (the step changed, the near miss)
@@ -345,6 +345,9 @@ OTHER_QUANTS = {  # name: (the step changed, the near miss)
     "sum_not_amax": (dict(reduce=lambda a: a.sum(-1, keepdim=True)), "amax(|x|)"),
     "amax_of_the_negation": (dict(magnitude=torch.neg), "amax(|x|)"),
     "asymmetric_clamp": (dict(low=-224.0), "values clamped to"),
+    "log10_exponent": (dict(log=torch.log10), "2^ceil(log2"),
+    "powers_of_four": (dict(power=lambda e: torch.pow(4.0, e)), "the scale is not amax / fp8 max"),
+    "values_times_the_scale": (dict(apply=torch.mul), "the values are not x / scale"),
 }
 
 
