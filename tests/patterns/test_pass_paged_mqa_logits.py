@@ -218,17 +218,22 @@ def test_does_not_fire_on_lookalikes(variant):
         assert any(words in r for r in reasons), reasons
 
 
-def test_folds_number_factors_outside_the_relu():
-    """``relu(q·k) * D**-0.5 * 0.25 * k_scale * w``: the numbers are multiplied into the weights, not a near miss."""
+def assert_variant_fires(variant: str) -> pathlib.Path:
+    """The variant compiled (static shapes) equals eager and is rewritten; returns its dump directory."""
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
-    model = type("V", (Variant,), {"variant": "softmax_scale_after_relu"})(config, layout)
+    model = type("V", (Variant,), {"variant": variant})(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
-    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-scaled-"))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-{variant}-"))
     options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
     compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options)
     assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, [5, 33, 17], max_len=48, seed=2))
     assert_fired(dump_dir)
-    (graph_dir,) = graph_dirs(dump_dir)
+    return dump_dir
+
+
+def test_folds_number_factors_outside_the_relu():
+    """``relu(q·k) * D**-0.5 * 0.25 * k_scale * w``: the numbers are multiplied into the weights, not a near miss."""
+    (graph_dir,) = graph_dirs(assert_variant_fires("softmax_scale_after_relu"))
     # the op's weights: the head gate's split-K partials [S, rows, 16], then q's scale and these numbers times the
     # weights' own H**-0.5 * D**-0.5 (H = 16, D = 128): no kernel computes the weights before the op
     after = pass_graphs(graph_dir, NAME)[1]
@@ -240,11 +245,4 @@ def test_folds_number_factors_outside_the_relu():
 def test_weights_summed_from_some_splits_are_one_factor():
     """``P[0] + P[1]`` of a ``P [4, rows, H]``: the rewrite takes the sum as the weights, not ``P`` as the head
     gate's split-K partials (the op would add all four)."""
-    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
-    model = type("V", (Variant,), {"variant": "weights_two_of_four_splits"})(config, layout)
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-some-splits-"))
-    options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
-    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options)
-    assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, [5, 33, 17], max_len=48, seed=2))
-    assert_fired(dump_dir)
+    assert_variant_fires("weights_two_of_four_splits")

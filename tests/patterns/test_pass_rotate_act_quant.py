@@ -217,8 +217,9 @@ def test_k_side_store_takes_the_rotation(tokens):
     assert "rotation = " in after and "input_divide = True" in after
 
 
-def test_a_k_side_rounded_to_fp16_keeps_the_gemm():
-    fn, compiled_fn, dump_dir = compiled_path("k_fp16")
+def k_path_graph(name, disabled=()):
+    """9 tokens through the compiled k path ``name``: the cache bytes equal eager's; returns the graph's dump."""
+    fn, compiled_fn, dump_dir = compiled_path(name, disabled)
     x, slots = rows((9,)), torch.arange(9)
     cache = torch.zeros(4, LAYOUT.page_bytes, dtype=torch.uint8)
     eager_cache, compiled_cache = cache.clone(), cache.clone()
@@ -226,21 +227,18 @@ def test_a_k_side_rounded_to_fp16_keeps_the_gemm():
     compiled_fn(x, H32, slots, compiled_cache)
     assert torch.equal(eager_cache, compiled_cache)
     (graph,) = graph_dirs(dump_dir)
+    return graph
+
+
+def test_a_k_side_rounded_to_fp16_keeps_the_gemm():
+    graph = k_path_graph("k_fp16")
     assert pass_entry(graph, "quant_cache_store")["matched"] == 1
     entry = pass_entry(graph, "rotate_act_quant")
     assert entry["matched"] == 0 and any("input_dtype torch.float16" in m["reason"] for m in entry["near_misses"]), entry
 
 
 def test_disabling_the_pass_keeps_the_gemm_and_eager_bytes():
-    fn, compiled_fn, dump_dir = compiled_path("k", disabled=("rotate_act_quant",))
-    x, slots = rows((9,)), torch.arange(9)
-    cache = torch.zeros(4, LAYOUT.page_bytes, dtype=torch.uint8)
-    eager_cache, compiled_cache = cache.clone(), cache.clone()
-    fn(x, H32, slots, eager_cache)
-    compiled_fn(x, H32, slots, compiled_cache)
-    assert torch.equal(eager_cache, compiled_cache)
-    (graph,) = graph_dirs(dump_dir)
-    output = (graph / "99_output.py").read_text()
+    output = (k_path_graph("k", disabled=("rotate_act_quant",)) / "99_output.py").read_text()
     assert count_ops(output, "aten.mm") == 1 and "rotation = " not in output
 
 
