@@ -432,8 +432,8 @@ def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> st
             raise NearMiss("a power-of-two scale must be 2^ceil(log2(amax / fp8 max))")
         raw, fmt = exponent.args[0].args[0], "ue8m0"
     # The factor is applied in fp32, so amax / d is the op's amax / fmax only where fp32(d) == fmax. A multiply by
-    # fp32(1 / fmax) is one rounding away: an fp32 scale keeps it; 2^ceil(log2(.)) does not, since that rounding never
-    # crosses a power of two (every fp32 amax checked for fmax 224, 240, 448 and 57344).
+    # fp32(1 / fmax) is one rounding away: an fp32 scale keeps that rounding, 2^ceil(log2(.)) loses it (the rounding
+    # never crosses a power of two: every fp32 amax checked for fmax 224, 240, 448 and 57344).
     if is_op(raw, aten.div.Tensor):
         divisor = _scalar(raw.args[1])
         if _fp32(divisor) != fmax:
@@ -441,7 +441,7 @@ def _match_scale(scale: torch.fx.Node, blocks: torch.fx.Node, fmax: float) -> st
     elif is_op(raw, aten.mul.Tensor):
         factor = _scalar(raw.args[1])
         if _fp32(factor) != _fp32(1.0 / fmax):
-            raise NearMiss(f"the scale divides by {1.0 / factor}, but the fp8 type's max is {fmax}")
+            raise NearMiss(f"the scale multiplies by {factor}, not by 1 / the fp8 type's max {fmax}")
         if fmt == "fp32":
             raise NearMiss(f"the fp32 scale multiplies by 1 / {fmax}, one rounding from the op's division by it")
     else:
