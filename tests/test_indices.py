@@ -211,7 +211,8 @@ def _checks_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["store", "store-view", "store-pool", "store-rewritten", "paged-table", "paged-context", "gather-cu", "slots-seq"])
+@pytest.mark.parametrize("name", ["store", "store-view", "store-pool", "store-rewritten", "paged-table",
+                                  "paged-context", "gather-cu", "slots-seq"])
 def test_checks_raise_naming_the_argument(name):
     """``nsa.checks``: in-contract ids give the op's result; an id the default mode would mask raises an error
     naming the argument (a device-side assert; on the CPU a RuntimeError)."""

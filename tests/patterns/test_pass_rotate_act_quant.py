@@ -234,7 +234,8 @@ def test_a_k_side_rounded_to_fp16_keeps_the_gemm():
     graph = k_path_graph("k_fp16")
     assert pass_entry(graph, "quant_cache_store")["matched"] == 1
     entry = pass_entry(graph, "rotate_act_quant")
-    assert entry["matched"] == 0 and any("input_dtype torch.float16" in m["reason"] for m in entry["near_misses"]), entry
+    assert entry["matched"] == 0
+    assert any("input_dtype torch.float16" in m["reason"] for m in entry["near_misses"]), entry
 
 
 def test_disabling_the_pass_keeps_the_gemm_and_eager_bytes():
