@@ -301,45 +301,46 @@ def test_a_window_written_back_elsewhere_does_not_fire():
                       dynamic=False)
 
 
-def reciprocal_scale_store(scale_fmt):
-    """The scale as ``amax * (1 / 448)``: for an fp32 scale one rounding from the op's ``amax / 448`` (about half of
-    all amax values), for a power-of-two scale the same bytes."""
-
-    def store(k, slots, cache):
-        x = k.float()
-        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-4) * (1.0 / 448.0)
-        if scale_fmt == "ue8m0":
-            scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
-        k_fp8 = torch.clamp(x / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
-        LAYOUTS["paged"].store(cache, slots, k_fp8, scale.squeeze(-1))
-
-    return store
-
-
-def test_an_fp32_scale_multiplied_by_the_reciprocal_does_not_fire():
-    k, slots, cache = inputs("paged", 64, 8)
-    assert_store_kept(reciprocal_scale_store("fp32"), k, slots, cache, "multiplies by 1 / 448.0", dynamic=False)
-
-
-def test_a_power_of_two_scale_from_the_reciprocal_fires_with_eager_bytes():
-    assert_store_rewritten(reciprocal_scale_store("ue8m0"), *inputs("paged", 64, 8))
-
-
 def spelled_quant(x, exponent=torch.ceil, floor=lambda a: a.clamp(min=1e-4),
-                  reduce=lambda a: a.amax(-1, keepdim=True), magnitude=torch.abs, divisor=448.0, low=-448.0,
-                  power_of_two=True, log=torch.log2, power=torch.exp2, apply=torch.div):
+                  reduce=lambda a: a.amax(-1, keepdim=True), magnitude=torch.abs, to_scale=lambda a: a / 448.0,
+                  low=-448.0, power_of_two=True, log=torch.log2, power=torch.exp2, apply=torch.div):
     """act_quant written out, each step replaceable by one that quantises differently."""
     x = x.float()
-    scale = floor(reduce(magnitude(x))) / divisor
+    scale = to_scale(floor(reduce(magnitude(x))))
     if power_of_two:
         scale = power(exponent(log(scale)))
     return torch.clamp(apply(x, scale), low, 448.0).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
+def spelled_store(**changed):
+    """The store of ``spelled_quant`` with ``changed`` steps."""
+    def store(k, slots, cache):
+        LAYOUTS["paged"].store(cache, slots, *spelled_quant(k, **changed))
+
+    return store
+
+
+def by_the_reciprocal(amax):
+    """``amax * (1 / 448)``: for an fp32 scale one rounding from the op's ``amax / 448`` (about half of all amax
+    values), for a power-of-two scale the same bytes."""
+    return amax * (1.0 / 448.0)
+
+
+def test_an_fp32_scale_multiplied_by_the_reciprocal_does_not_fire():
+    k, slots, cache = inputs("paged", 64, 8)
+    assert_store_kept(spelled_store(to_scale=by_the_reciprocal, power_of_two=False), k, slots, cache,
+                      "multiplies by 1 / 448.0", dynamic=False)
+
+
+def test_a_power_of_two_scale_from_the_reciprocal_fires_with_eager_bytes():
+    assert_store_rewritten(spelled_store(to_scale=by_the_reciprocal, power=lambda e: torch.pow(2.0, e)),
+                           *inputs("paged", 64, 8))
+
+
 OTHER_QUANTS = {  # name: (the step changed, the near miss)
     "floor_exponent": (dict(exponent=torch.floor), "2^ceil(log2"),
     "rounded_exponent": (dict(exponent=torch.round), "2^ceil(log2"),
-    "other_divisor": (dict(divisor=240.0), "divides by 240"),
+    "other_divisor": (dict(to_scale=lambda a: a / 240.0), "divides by 240"),
     "other_floor": (dict(floor=lambda a: a.clamp(min=1e-6)), "floored at"),
     "floor_added": (dict(floor=lambda a: a + 1e-4, power_of_two=False), "floored at"),
     "sum_not_amax": (dict(reduce=lambda a: a.sum(-1, keepdim=True)), "amax(|x|)"),
@@ -358,18 +359,13 @@ def quant_inputs():
 
 
 def test_the_quantisation_spelled_out_fires_with_eager_bytes():
-    assert_store_rewritten(lambda k, slots, cache: LAYOUTS["paged"].store(cache, slots, *spelled_quant(k)),
-                           *quant_inputs())
+    assert_store_rewritten(spelled_store(), *quant_inputs())
 
 
 @pytest.mark.parametrize("name", sorted(OTHER_QUANTS))
 def test_quantisations_spelled_otherwise_do_not_fire(name):
     changed, reason = OTHER_QUANTS[name]
-
-    def store(k, slots, cache):
-        LAYOUTS["paged"].store(cache, slots, *spelled_quant(k, **changed))
-
-    assert_store_kept(store, *quant_inputs(), reason, dynamic=False)
+    assert_store_kept(spelled_store(**changed), *quant_inputs(), reason, dynamic=False)
 
 
 def rotated_store(y, slots, cache, dtype=torch.bfloat16):
