@@ -262,7 +262,7 @@ def bench_xgemm(args, rows: list[dict]) -> None:
     the pair it replaced (cuBLAS wk + ``nsa.head_gate_gemm``), same run; CUDA-graph timing with the weights read from
     HBM (``_cold_and_warm``; the row's case gives the L2-warm figure). Sweeps split counts (``SPLITS`` in
     patterns/wk_gate_gemm.py) and tiles (``CONFIGS`` in lowering/wk_gate_gemm/triton.py); ``--xgemm-config`` adds
-    more; ``--quick`` tries each split count with the default tiles and each tile with the default splits. The
+    more; ``--quick`` tries only the split counts, with the default tiles. The
     consumers' partial sums are not timed (they fold into kernels that run anyway)."""
     from nsa_inductor.patterns.wk_gate_gemm import splits_for
 
@@ -276,9 +276,9 @@ def bench_xgemm(args, rows: list[dict]) -> None:
         x = torch.randn(tokens, 7168, device=DEV).bfloat16()
         default = (splits_for(tokens, 7168), tk.config_for(tokens))
         tiles = [tk.WkGateConfig(tokens, *t) for t in XGEMM_TILES if t[0] <= max(16, 2 * tokens)]
-        candidates = [default, *((sp, default[1]) for sp in XGEMM_SPLITS), *((default[0], t) for t in tiles)]
-        if not args.quick:  # every split count with every tile
-            candidates += [(sp, t) for sp in XGEMM_SPLITS for t in tiles]
+        candidates = [default, *((sp, default[1]) for sp in XGEMM_SPLITS)]
+        if not args.quick:  # every tile, with the default splits and with every split count
+            candidates += [*((default[0], t) for t in tiles), *((sp, t) for sp in XGEMM_SPLITS for t in tiles)]
         candidates += [((e[6], e[7]), tk.WkGateConfig(tokens, *e[:6])) for e in extra]
         results = {}
         for splits, cfg in dict.fromkeys(candidates):
