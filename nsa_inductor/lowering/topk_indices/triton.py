@@ -363,6 +363,33 @@ def _row_shift(offset, row, HAS_OFFSET: tl.constexpr):
 
 
 @triton.jit
+def _lanes(x):
+    """The 4 columns of a ``_vector_positions`` block as 4 blocks of one column each (no data moves)."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _scattered_store(ptr, value, mask, VECTORS: tl.constexpr):
+    """``tl.store(ptr, value, mask=mask)`` to addresses not known to be consecutive; a ``_vector_positions`` block a
+    column at a time. Stored whole, newer Tritons (3.9) first move each thread's 4 columns to 4 threads through
+    shared memory, a barrier a step; Triton 3.6 compiles both forms alike (BENCHMARKS.md, top-k, "Scattered
+    stores a column at a time")."""
+    if VECTORS:
+        p0, p1, p2, p3 = _lanes(ptr)
+        v0, v1, v2, v3 = _lanes(value)
+        m0, m1, m2, m3 = _lanes(mask)
+        tl.store(p0, v0, mask=m0)
+        tl.store(p1, v1, mask=m1)
+        tl.store(p2, v2, mask=m2)
+        tl.store(p3, v3, mask=m3)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
 def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
             COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
             ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False, n_readable=0, VECTORS: tl.constexpr = False):
@@ -512,9 +539,9 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             index = tl.where(u == KEY_NEG_INF, -1, index)
         # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
         chosen = (is_above.to(tl.int32) + chosen_tie.to(tl.int32)) > 0
-        tl.store(dst + slot, index.to(tl.int32), mask=chosen)
+        _scattered_store(dst + slot, index.to(tl.int32), chosen, VECTORS)
         if WRITE_KEYS:
-            tl.store(keys_dst + slot, u.to(tl.int32, bitcast=True), mask=chosen)
+            _scattered_store(keys_dst + slot, u.to(tl.int32, bitcast=True), chosen, VECTORS)
         if not ONE_BLOCK:  # (one block: no next block to count for)
             above_seen += tl.sum(is_above.to(tl.int32), axis=0)
             ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
@@ -780,13 +807,13 @@ def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_key
     key = _order_key(x).to(tl.int32, bitcast=True)
     ranks = _prefix_sum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), VECTORS)  # two counts, one scan
     above_slot = above_before + (ranks & 0xFFFF) - 1
-    tl.store(dst + above_slot, col - shift_cols.to(tl.int32), mask=is_above)
+    _scattered_store(dst + above_slot, col - shift_cols.to(tl.int32), is_above, VECTORS)
     if WRITE_KEYS:
-        tl.store(dst_keys + above_slot, key, mask=is_above)
+        _scattered_store(dst_keys + above_slot, key, is_above, VECTORS)
     cand_slot = cand_before + (ranks >> 16) - 1
     keep = is_cand & (cand_slot < capacity)
-    tl.store(cand_cols + cand_slot, col, mask=keep)
-    tl.store(cand_keys + cand_slot, key, mask=keep)
+    _scattered_store(cand_cols + cand_slot, col, keep, VECTORS)
+    _scattered_store(cand_keys + cand_slot, key, keep, VECTORS)
     return tl.sum(_flat(is_above.to(tl.int32)), axis=0), tl.sum(_flat(is_cand.to(tl.int32)), axis=0)
 
 
