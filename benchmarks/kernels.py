@@ -262,8 +262,8 @@ def bench_xgemm(args, rows: list[dict]) -> None:
     the pair it replaced (cuBLAS wk + ``nsa.head_gate_gemm``), same run; CUDA-graph timing with the weights read from
     HBM (``_cold_and_warm``; the row's case gives the L2-warm figure). Sweeps split counts (``SPLITS`` in
     patterns/wk_gate_gemm.py) and tiles (``CONFIGS`` in lowering/wk_gate_gemm/triton.py); ``--xgemm-config`` adds
-    more; ``--quick`` tries only the split counts, with the default tiles. The
-    consumers' partial sums are not timed (they fold into kernels that run anyway)."""
+    more; ``--quick`` tries only the split counts, with the default tiles. The consumers' partial sums are not timed
+    (they fold into kernels that run anyway)."""
     from nsa_inductor.patterns.wk_gate_gemm import splits_for
 
     tk, _ = _op("wk_gate_gemm")
