@@ -175,36 +175,42 @@ def bench_ragged(args, rows: list[dict]) -> None:
 def bench_head_gate(args, rows: list[dict]) -> None:
     """weights_proj of DeepSeek-V3.2 (x [M, 7168] bf16, W [64, 7168] fp32, 4 splits as the pass chooses), against
     eager's ``F.linear(x.float(), W)``; the sweep adds the tilings the default was chosen against. CUDA-graph timing
-    with the weight read from HBM (``_cold_and_warm``)."""
+    with the weight read from HBM (``_cold_us``; the row's case gives the default's L2-warm figure, ``_warm_us``)."""
     tk, _ = _op("head_gate_gemm")
     weights = _weight_copies(torch.randn(64, 7168, device=DEV) * 7168**-0.5)
     for tokens in (1, 64, 4096):
         x = torch.randn(tokens, 7168, device=DEV).bfloat16()
         default = tk._default_head_gate_config(tokens)
         configs = [default, *(tk.HeadGateConfig(*c) for c in ((16, 32, 4), (64, 16, 4), (32, 16, 4), (16, 16, 3)))]
-        results = {cfg: _cold_and_warm(lambda w, cfg=cfg: tk.head_gate_gemm(x, w, 4, False, config=cfg), weights)
+        results = {cfg: _cold_us(lambda w, cfg=cfg: tk.head_gate_gemm(x, w, 4, False, config=cfg), weights)
                    for cfg in dict.fromkeys(configs)}
-        torch_us = None if args.no_torch else _cold_and_warm(
-            lambda w: torch.nn.functional.linear(x.float(), w), weights)[0]
-        nbytes = weights[0][0].numel() * 4 + x.numel() * 2 + 4 * tokens * 64 * 4
-        cold, warm = results[default]
+        warm = _warm_us(lambda w: tk.head_gate_gemm(x, w, 4, False, config=default), weights)
+        torch_us = None if args.no_torch else _cold_us(lambda w: torch.nn.functional.linear(x.float(), w), weights)
+        nbytes = _nbytes(*weights[0]) + x.numel() * 2 + 4 * tokens * 64 * 4
         rows.append({**_bandwidth_row("head_gate_gemm", f"split M={tokens} N=64 K=7168 (L2-warm {warm:.1f} µs)",
-                                      cold, torch_us, nbytes),
-                     "config": str(default), "sweep": {str(c): t[0] for c, t in results.items()}})
+                                      results[default], torch_us, nbytes),
+                     "config": str(default), "sweep": {str(c): t for c, t in results.items()}})
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _weight_copies(*weights: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Copies of ``weights`` that together fill twice the L2 (``copies_past_l2``), the first the tensors given."""
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    return [weights] + [tuple(w.clone() for w in weights) for _ in range(copies_past_l2(nbytes) - 1)]
+    return [weights] + [tuple(w.clone() for w in weights) for _ in range(copies_past_l2(_nbytes(*weights)) - 1)]
 
 
-def _cold_and_warm(call, copies: list[tuple[torch.Tensor, ...]]) -> tuple[float, float]:
-    """``(cold, warm)`` µs per ``call(*weights)`` in a CUDA graph: cold cycles through the copies, so that each call
-    reads its weights from HBM, as in a decode step whose K-cache reads evict them (B=64); warm calls the first copy
-    as often, from the L2 (a step with little cache, B=1 ctx 2048)."""
-    return (graph_us_over([lambda c=c: call(*c) for c in copies]),
-            graph_us(lambda: call(*copies[0]), calls=len(copies)))
+def _cold_us(call, copies: list[tuple[torch.Tensor, ...]]) -> float:
+    """µs per ``call(*weights)`` in a CUDA graph cycling through the copies: each call reads its weights from HBM,
+    as in a decode step whose K-cache reads evict them (B=64)."""
+    return graph_us_over([lambda c=c: call(*c) for c in copies])
+
+
+def _warm_us(call, copies: list[tuple[torch.Tensor, ...]]) -> float:
+    """``_cold_us``'s calls on the first copy alone: its weights from the L2 (a step with little cache, B=1 ctx
+    2048)."""
+    return graph_us(lambda: call(*copies[0]), calls=len(copies))
 
 
 def bench_rotate(args, rows: list[dict]) -> None:
@@ -260,10 +266,10 @@ def bench_xgemm(args, rows: list[dict]) -> None:
     """wk (x [M, 7168] bf16 @ [128, 7168] bf16) and weights_proj ([64, 7168] fp32, split hi/lo) in one
     ``nsa.wk_gate_gemm`` launch, against cuBLAS ``F.linear(x, wk)`` + eager's ``F.linear(x.float(), W)`` and against
     the pair it replaced (cuBLAS wk + ``nsa.head_gate_gemm``), same run; CUDA-graph timing with the weights read from
-    HBM (``_cold_and_warm``; the row's case gives the L2-warm figure). Sweeps split counts (``SPLITS`` in
-    patterns/wk_gate_gemm.py) and tiles (``CONFIGS`` in lowering/wk_gate_gemm/triton.py); ``--xgemm-config`` adds
-    more; ``--quick`` tries only the split counts, with the default tiles. The consumers' partial sums are not timed
-    (they fold into kernels that run anyway)."""
+    HBM (``_cold_us``; the row's case gives the default's L2-warm figure, ``_warm_us``). Sweeps split counts
+    (``SPLITS`` in patterns/wk_gate_gemm.py) and tiles (``CONFIGS`` in lowering/wk_gate_gemm/triton.py);
+    ``--xgemm-config`` adds more; ``--quick`` tries only the split counts, with the default tiles. The consumers'
+    partial sums are not timed (they fold into kernels that run anyway)."""
     from nsa_inductor.patterns.wk_gate_gemm import splits_for
 
     tk, _ = _op("wk_gate_gemm")
@@ -282,22 +288,21 @@ def bench_xgemm(args, rows: list[dict]) -> None:
         candidates += [((e[6], e[7]), tk.WkGateConfig(tokens, *e[:6])) for e in extra]
         results = {}
         for splits, cfg in dict.fromkeys(candidates):
-            results[(splits, cfg)] = _cold_and_warm(
+            results[(splits, cfg)] = _cold_us(
                 lambda gate, wk, splits=splits, cfg=cfg: tk.wk_gate_gemm(x, gate, wk, *splits, False, config=cfg),
                 weights)
-        best = min(results, key=lambda key: results[key][0])
-        torch_us = None if args.no_torch else _cold_and_warm(
-            lambda gate, wk: (F.linear(x, wk), F.linear(x.float(), gate)), weights)[0]
-        before_us = _cold_and_warm(lambda gate, wk: (F.linear(x, wk), head_gate.head_gate_gemm(x, gate, 4, False)),
-                                   weights)[0]
-        (gate_splits, k_splits), _ = default
-        nbytes = sum(w.numel() * w.element_size() for w in weights[0]) + x.numel() * 2 + tokens * (
-            gate_splits * 64 + k_splits * 128) * 4
-        cold, warm = results[default]
+        best = min(results, key=results.get)
+        (gate_splits, k_splits), default_tiles = default
+        warm = _warm_us(lambda gate, wk: tk.wk_gate_gemm(x, gate, wk, gate_splits, k_splits, False,
+                                                         config=default_tiles), weights)
+        torch_us = None if args.no_torch else _cold_us(
+            lambda gate, wk: (F.linear(x, wk), F.linear(x.float(), gate)), weights)
+        before_us = _cold_us(lambda gate, wk: (F.linear(x, wk), head_gate.head_gate_gemm(x, gate, 4, False)), weights)
+        nbytes = _nbytes(*weights[0]) + x.numel() * 2 + tokens * (gate_splits * 64 + k_splits * 128) * 4
         rows.append({**_bandwidth_row("wk_gate_gemm", f"M={tokens} wk+gate K=7168 (L2-warm {warm:.1f} µs; before "
-                                                      f"{before_us:.1f} µs)", cold, torch_us, nbytes),
-                     "config": f"{_xgemm_name(default)}; best {results[best][0]:.1f} µs: {_xgemm_name(best)}",
-                     "sweep": {_xgemm_name(k): t[0] for k, t in sorted(results.items(), key=lambda kv: kv[1][0])[:12]}})
+                                                      f"{before_us:.1f} µs)", results[default], torch_us, nbytes),
+                     "config": f"{_xgemm_name(default)}; best {results[best]:.1f} µs: {_xgemm_name(best)}",
+                     "sweep": {_xgemm_name(k): t for k, t in sorted(results.items(), key=lambda kv: kv[1])[:12]}})
 
 
 def _xgemm_name(key) -> str:
