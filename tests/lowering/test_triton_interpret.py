@@ -588,17 +588,19 @@ def test_topk_indices_kernel_at_length_edges(k):
 
 
 @child_only
-@pytest.mark.parametrize("k", [1, 6])
+@pytest.mark.parametrize("k", [1, 2, 6])
 def test_topk_search_ends_one_key_from_the_bound(k):
-    """The radix paths' search over a bin's candidates, its bracket holding take + 1 keys at or above its low end or
-    take - 1 above its high end, ends in one reduction (``_finish_at_end``): rows of k + 1 finite values (the lowest
-    held once: the keys above it are the k; or twice: it is the k-th) and, with k = 1, of several (the highest held
-    once or twice; twice of three, so that the keys below it are k), one bin's values (a few ulps apart); every path
-    (the bisection searches them as before), in one block and streamed; the output's neighbours untouched."""
+    """A search whose bracket holds take + 1 keys at or above its low end or take - 1 above its high end ends in one
+    reduction (``_peel_end``), the whole-row search's also two keys from it in two: rows of k + 1 finite values (the
+    lowest held once: the keys above it are the k; or twice: it is the k-th), of k + 2 (the lowest once or twice) and
+    of several (with k = 1 the highest held once or twice, twice of three so that the keys below it are k; with k = 2
+    two keys from the high end), one bin's values (a few ulps apart); every path, in one block and streamed; the
+    output's neighbours untouched."""
     cols = 20
     base = torch.tensor(0x3F800000)
     rows = []
-    for n_finite, tie in ((k + 1, None), (k + 1, "low"), (5, None), (5, "high"), (3, "high")):
+    for n_finite, tie in ((k + 1, None), (k + 1, "low"), (k + 2, None), (k + 2, "low"), (5, None), (5, "high"),
+                          (3, "high")):
         bits = (base + torch.randperm(n_finite, generator=torch.Generator().manual_seed(n_finite)) * 3).int()
         if tie == "low":
             bits[bits == bits.min()] = bits.sort().values[1]  # the lowest value twice

@@ -84,10 +84,11 @@ class HeadGateConfig:
 
 @functools.lru_cache(maxsize=1024)  # per shape; a config is built once
 def _default_head_gate_config(rows: int) -> HeadGateConfig:
-    """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound); one row
-    takes the FMA tile of ``split_k_tile``."""
-    block_m = 1 if rows == 1 else 16 if rows <= 16 else 32 if rows <= 64 else 64
-    block_n = 32 if rows > 512 else 8 if rows == 1 else 16
+    """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound); up to 64
+    rows 16 x 32 tiles, which beat one row's FMA tile and 32 x 16 with the weight read from HBM in a CUDA graph
+    (BENCHMARKS.md, head-gate GEMM alone)."""
+    block_m = 16 if rows <= 64 else 64
+    block_n = 16 if 64 < rows <= 512 else 32
     return HeadGateConfig(block_m, block_n, 3 if rows > 2048 else 4)
 
 

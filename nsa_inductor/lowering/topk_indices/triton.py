@@ -59,6 +59,9 @@ WINDOW_EDGE = tl.constexpr(2.0**126)  # the window's ends clipped to +-this: its
 # it (the bounds launch), the window's low and high ends and its bins' scale (the window launch; fp32 bits).
 ROW_STATS = tl.constexpr(8)
 INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole row's two guided trials), then it halves
+# A whole row's search ends this many keys or fewer from the take-th at an end of its bracket by taking the keys off
+# that end one reduction each (`_peel_end`), where counting trial bounds closes in a key at a time.
+WHOLE_ROW_PEEL = tl.constexpr(2)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
@@ -309,30 +312,34 @@ def _key_lowest(src, cand_keys, u0, pos, n_pos, lo, top, flip, GATHER: tl.conste
 
 
 @triton.jit
-def _one_key_from_end(at_bound, above_bound, take):
-    """Whether a search's bracket is one key from the take-th at an end: take + 1 keys at or above its low end, or
-    take - 1 above its high end (``_finish_at_end`` then ends it)."""
-    return (at_bound - take == 1) | (take - above_bound == 1)
+def _near_end(at_bound, above_bound, take, keys):
+    """Whether a search's bracket is at most ``keys`` keys from the take-th at an end: take + 1 .. take + keys keys at
+    or above its low end, or take - keys .. take - 1 above its high end (``_peel_end`` then ends it)."""
+    return (((at_bound - take >= 1) & (at_bound - take <= keys))
+            | ((take - above_bound >= 1) & (take - above_bound <= keys)))
 
 
 @triton.jit
-def _finish_at_end(src, cand_keys, u0, pos, n_pos, lo, top, at_bound, above_bound, take, GATHER: tl.constexpr,
-                   BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """Ends a search one key from the take-th at an end of its bracket [lo, top] (``_one_key_from_end``) in one
-    reduction, where counting trial bounds would close in on it a key at a time (a launch waits for its slowest
-    row). Take + 1 at or above lo: the take-th key is the bracket's lowest, or (held once) the keys above it are the
-    take wanted; take - 1 above top: it is the bracket's highest (the lowest of the keys' complements). Returns
-    (bound, at_bound, above_bound) as the search leaves them: exact where at_bound == take, else bound is the
-    take-th key."""
-    at_low = at_bound - take == 1
+def _peel_end(src, cand_keys, u0, pos, n_pos, lo, hi, at_bound, above_bound, take, GATHER: tl.constexpr,
+              BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """One reduction of a search near its end (``_near_end``), where counting trial bounds would close in a key at a
+    time (a launch waits for its slowest row): the key at the end of the bracket [lo, hi) nearer the take-th (its
+    lowest, or its highest as the lowest of the keys' complements) and how many positions hold it; its keys leave
+    the bracket, or it is the take-th key (ties, or exactly take at or above it). Returns (lo, hi, at_bound,
+    above_bound) as the search keeps them: one key from the take-th at an end, this ends it."""
+    at_low = at_bound - take <= take - above_bound
     flip = tl.where(at_low, 0, 0xFFFFFFFF).to(tl.uint32)
-    end, n_end = _key_lowest(src, cand_keys, u0, pos, n_pos, lo, top, flip, GATHER, BLOCK, ONE_BLOCK)
-    end = end ^ flip
-    low_exact = at_low & (at_bound - n_end == take)
-    bound = tl.where(low_exact, end + 1, end)
-    new_at_bound = tl.where(at_low, tl.where(low_exact, take, at_bound), above_bound + n_end)
-    new_above_bound = tl.where(at_low, at_bound - n_end, above_bound)
-    return bound, new_at_bound, new_above_bound
+    end, n_end = _key_lowest(src, cand_keys, u0, pos, n_pos, lo.to(tl.uint32), (hi - 1).to(tl.uint32), flip, GATHER,
+                             BLOCK, ONE_BLOCK)
+    end = (end ^ flip).to(tl.int64) & 0xFFFFFFFF
+    leaves = tl.where(at_low, at_bound - n_end >= take, above_bound + n_end < take)
+    new_lo = tl.where(at_low & leaves, end + 1, tl.where(leaves, lo, end))
+    new_hi = tl.where(leaves, tl.where(at_low, hi, end), end + 1)
+    new_at_bound = tl.where(at_low, tl.where(leaves, at_bound - n_end, at_bound),
+                            tl.where(leaves, at_bound, above_bound + n_end))
+    new_above_bound = tl.where(at_low, tl.where(leaves, above_bound, at_bound - n_end),
+                               tl.where(leaves, above_bound + n_end, above_bound))
+    return new_lo, new_hi, new_at_bound, new_above_bound
 
 
 @triton.jit
@@ -427,12 +434,12 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     if ONE_BIN:
         # One radix bin's keys, close together: from their range, each trial where the counts at the bracket's two
         # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties); one key from the take-th
-        # at an end of the bracket, one reduction ends it (`_finish_at_end`; on a whole row it was slower).
+        # at an end of the bracket, one reduction ends it (`_peel_end`).
         lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
         width = (highest - lo).to(tl.int64) & 0xFFFFFFFF  # (a window's bin may span more than 2^31 keys)
         width += 1
         at_bound = tl.where(searching, n_finite, n_valid)
-        go = searching & (at_bound != take) & (width > 1) & ~_one_key_from_end(at_bound, above_bound, take)
+        go = searching & (at_bound != take) & (width > 1) & ~_near_end(at_bound, above_bound, take, 1)
         step = 0
         while go:
             if step < INTERPOLATION_STEPS:
@@ -449,13 +456,13 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             width = tl.where(raised, width - offset, offset)
             at_bound = tl.where(raised, count, at_bound)
             above_bound = tl.where(raised, above_bound, count)
-            go = (at_bound != take) & (width > 1) & ~_one_key_from_end(at_bound, above_bound, take)
+            go = (at_bound != take) & (width > 1) & ~_near_end(at_bound, above_bound, take, 1)
             step += 1
-        bound = lo
+        lo = lo.to(tl.int64) & 0xFFFFFFFF
         if searching & (at_bound != take) & (width > 1):  # (one key from the take-th at an end)
-            bound, at_bound, above_bound = _finish_at_end(src, cand_keys, u0, pos, n_pos, lo,
-                                                          lo + (width - 1).to(tl.uint32), at_bound, above_bound,
-                                                          take, GATHER, BLOCK, ONE_BLOCK)
+            lo, _, at_bound, above_bound = _peel_end(src, cand_keys, u0, pos, n_pos, lo, lo + width, at_bound,
+                                                     above_bound, take, GATHER, BLOCK, ONE_BLOCK)
+        bound = lo.to(tl.uint32)
     else:
         # A whole row's keys: the bracket starts as all keys above -inf. The first trial is where a normal
         # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it with
@@ -472,7 +479,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         z = _upper_normal_quantile(tl.fdiv(take.to(tl.float32), n_stats, ieee_rounding=False))
         guess = mean + deviation * z
         density = n_stats * 0.3989422804014327 * tl.exp(-0.5 * z * z) / deviation  # counts per unit of value
-        go = searching & (at_bound != take)
+        go = searching & (at_bound != take) & ~_near_end(at_bound, above_bound, take, WHOLE_ROW_PEEL)
         excess_lo = (at_bound - take).to(tl.float32)  # the counts' distances from take at the ends, as weighed
         excess_hi = (above_bound - take).to(tl.float32)
         kept = tl.zeros((), tl.int32)  # which end the last trial moved: 1 lo, -1 hi
@@ -508,8 +515,13 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             excess_lo = tl.where(raised, excess, tl.where(kept < 0, 0.5 * excess_lo, excess_lo))
             excess_hi = tl.where(raised, tl.where(kept > 0, 0.5 * excess_hi, excess_hi), excess)
             kept = tl.where(raised, 1, -1)
-            go = (at_bound != take) & (hi - lo > 1)
+            go = (at_bound != take) & (hi - lo > 1) & ~_near_end(at_bound, above_bound, take, WHOLE_ROW_PEEL)
             step += 1
+        peeling = searching & (at_bound != take) & (hi - lo > 1)
+        while peeling:  # (at most WHOLE_ROW_PEEL times: each brings the nearer end a key closer, or ends)
+            lo, hi, at_bound, above_bound = _peel_end(src, cand_keys, u0, pos, n_pos, lo, hi, at_bound, above_bound,
+                                                      take, GATHER, BLOCK, ONE_BLOCK)
+            peeling = (at_bound != take) & (hi - lo > 1)
         bound = lo.to(tl.uint32)
 
     # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
