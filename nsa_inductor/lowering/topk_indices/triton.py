@@ -434,7 +434,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     if ONE_BIN:
         # One radix bin's keys, close together: from their range, each trial where the counts at the bracket's two
         # ends put the take-th key (regula falsi), halving after INTERPOLATION_STEPS (ties); one key from the take-th
-        # at an end of the bracket, one reduction ends it (`_peel_end`).
+        # at an end of the bracket, one reduction ends it (`_peel_end`, below).
         lo = tl.where(searching, tl.maximum(lowest, KEY_NEG_INF + 1), settled).to(tl.uint32)
         width = (highest - lo).to(tl.int64) & 0xFFFFFFFF  # (a window's bin may span more than 2^31 keys)
         width += 1
@@ -459,10 +459,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             go = (at_bound != take) & (width > 1) & ~_near_end(at_bound, above_bound, take, 1)
             step += 1
         lo = lo.to(tl.int64) & 0xFFFFFFFF
-        if searching & (at_bound != take) & (width > 1):  # (one key from the take-th at an end)
-            lo, _, at_bound, above_bound = _peel_end(src, cand_keys, u0, pos, n_pos, lo, lo + width, at_bound,
-                                                     above_bound, take, GATHER, BLOCK, ONE_BLOCK)
-        bound = lo.to(tl.uint32)
+        hi = lo + width
     else:
         # A whole row's keys: the bracket starts as all keys above -inf. The first trial is where a normal
         # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it with
@@ -517,12 +514,14 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             kept = tl.where(raised, 1, -1)
             go = (at_bound != take) & (hi - lo > 1) & ~_near_end(at_bound, above_bound, take, WHOLE_ROW_PEEL)
             step += 1
-        peeling = searching & (at_bound != take) & (hi - lo > 1)
-        while peeling:  # (at most WHOLE_ROW_PEEL times: each brings the nearer end a key closer, or ends)
-            lo, hi, at_bound, above_bound = _peel_end(src, cand_keys, u0, pos, n_pos, lo, hi, at_bound, above_bound,
-                                                      take, GATHER, BLOCK, ONE_BLOCK)
-            peeling = (at_bound != take) & (hi - lo > 1)
-        bound = lo.to(tl.uint32)
+    # Either search ends near an end of its bracket [lo, hi) or done: at most 1 (one bin) or WHOLE_ROW_PEEL peels,
+    # each bringing the nearer end a key closer, or ending it.
+    peeling = searching & (at_bound != take) & (hi - lo > 1)
+    while peeling:
+        lo, hi, at_bound, above_bound = _peel_end(src, cand_keys, u0, pos, n_pos, lo, hi, at_bound, above_bound, take,
+                                                  GATHER, BLOCK, ONE_BLOCK)
+        peeling = (at_bound != take) & (hi - lo > 1)
+    bound = lo.to(tl.uint32)
 
     # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
     exact = at_bound == take
