@@ -166,6 +166,12 @@ class Capability:
                 and _version_tuple(self.triton_version) >= PDL_MIN_TRITON)
 
     @property
+    def warp_threads(self) -> int:
+        """Threads of a Triton warp: 64 on CDNA GPUs (gfx9, wave64), else 32. Kernels whose scan order follows the
+        threads' layout (top-k's ``_prefix_sum``) are told it; a wrong figure costs speed, never the result."""
+        return 64 if self.platform == "rocm" and self.gfx_arch.startswith("gfx9") else 32
+
+    @property
     def kernel_backend(self) -> str:
         if self.use_aiter:
             return "aiter"

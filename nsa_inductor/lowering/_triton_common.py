@@ -113,6 +113,11 @@ def _programmatic_launch() -> bool:
     return capability().programmatic_launch
 
 
+@functools.cache
+def warp_threads() -> int:
+    return capability().warp_threads
+
+
 def launch(kernel, grid: tuple, *args, **keywords) -> None:
     """``kernel[grid](*args, **keywords)``, at a fraction of the host cost from the second call of a signature.
 

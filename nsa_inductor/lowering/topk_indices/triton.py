@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import launch, next_power_of_2, wait_for_previous_grid
+from .._triton_common import launch, next_power_of_2, wait_for_previous_grid, warp_threads
 
 # Rows up to this many columns stay in registers; longer rows are split into segments of this size (or, where the
 # segments' candidates would not be much fewer than the columns, streamed in blocks of this size).
@@ -158,13 +158,22 @@ def _vector_keys(src, pos, n_pos, n_readable):
 
 
 @triton.jit
-def _prefix_sum(x, VECTORS: tl.constexpr):
-    """Inclusive prefix sum over positions: a scan of a block, or with VECTORS (``_vector_positions``) the sums
-    within each vector and one exclusive scan of the vectors' totals."""
+def _prefix_sum(x, VECTORS: tl.constexpr, THREADS: tl.constexpr):
+    """Inclusive prefix sum in scan order: a block's positions in order; with VECTORS (``_vector_positions``, where
+    thread t of THREADS holds vectors t, t + THREADS, ...) thread by thread, a thread's vectors in turn, so that one
+    scan across the threads (of their totals) serves every vector they hold, not one scan per vector a thread holds."""
     if VECTORS:
-        totals = tl.sum(x, axis=1)
-        return (tl.cumsum(totals, axis=0) - totals)[:, None] + tl.cumsum(x, axis=1)
-    return tl.cumsum(x, axis=0)
+        if x.shape[0] > THREADS:
+            held = tl.reshape(x, (x.shape[0] // THREADS, THREADS, 4))  # [a thread's vector, thread, column]
+            totals = tl.sum(held, axis=2)
+            thread_totals = tl.sum(totals, axis=0)
+            before = (tl.cumsum(thread_totals, axis=0) - thread_totals)[None, :] + tl.cumsum(totals, axis=0) - totals
+            return tl.reshape(before[:, :, None] + tl.cumsum(held, axis=2), x.shape)
+        else:
+            totals = tl.sum(x, axis=1)
+            return (tl.cumsum(totals, axis=0) - totals)[:, None] + tl.cumsum(x, axis=1)
+    else:
+        return tl.cumsum(x, axis=0)
 
 
 @triton.jit
@@ -399,14 +408,16 @@ def _scattered_store(ptr, value, mask, VECTORS: tl.constexpr):
 @triton.jit
 def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shift_cols, GATHER: tl.constexpr,
             COUNT_VALID: tl.constexpr, WRITE_KEYS: tl.constexpr, NEG1: tl.constexpr, BLOCK: tl.constexpr,
-            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False, n_readable=0, VECTORS: tl.constexpr = False):
-    """Writes ``dst[0:take]``: the ``take`` largest keys among positions [0, n_pos) (the columns of ``src``, or with
-    GATHER the candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0), the
-    keys above the k-th first, then its first ties, each group in position order; as ``col + col_base -
-    shift_cols`` (-1 for -inf with NEG1), with WRITE_KEYS their keys to ``keys_dst``. ONE_BIN: the keys are one
-    radix bin's, close together, so the search starts from their range (one pass) and interpolates; else from the
-    values' mean and deviation (one pass), then interpolates. VECTORS (a row's columns in one block, its first
-    ``n_readable`` readable): the block held as ``_vector_positions``."""
+            ONE_BLOCK: tl.constexpr, ONE_BIN: tl.constexpr = False, n_readable=0, VECTORS: tl.constexpr = False,
+            THREADS: tl.constexpr = 0):
+    """Writes the ``take`` largest keys among positions [0, n_pos) (the columns of ``src``, or with GATHER the
+    candidates listed in ``cand_cols``/``cand_keys``; with COUNT_VALID some have no column, key 0) to ``dst``, the
+    keys above the k-th first, then its first ties, each group in the prefix sum's order (``_prefix_sum``); as ``col
+    + col_base - shift_cols``, with WRITE_KEYS their keys to ``keys_dst``. NEG1 takes no -inf: returns how many it
+    wrote (``take``, or with NEG1 at most the finite ones), the caller pads the rest with -1. ONE_BIN: the keys are
+    one radix bin's, close together, so the search starts from their range (one pass) and interpolates; else from
+    the values' mean and deviation (one pass), then interpolates. VECTORS (a row's columns in one block, its first
+    ``n_readable`` readable): the block held as ``_vector_positions`` over THREADS threads."""
     if VECTORS:
         pos = _vector_positions(BLOCK)
         u0 = _vector_keys(src, pos, n_pos, n_readable)
@@ -523,39 +534,49 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         peeling = (at_bound != take) & (hi - lo > 1)
     bound = lo.to(tl.uint32)
 
-    # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken
+    # exact: the keys >= bound are the ones wanted; else bound is the k-th key and `need` of its ties are taken. Keys
+    # above `above_from` are taken, and ties are keys equal to `tie_key` (1: no key, as with exact). With NEG1 -inf
+    # is never taken: its -1 entries come after the rest (`_fill`, from the count returned).
     exact = at_bound == take
     need = tl.where(exact, 0, take - above_bound)
     n_above = take - need
+    above_from = tl.where(exact, bound - 1, bound)  # (bound >= KEY_NEG_INF > 0: no key 0 is ever taken)
+    tie_key = tl.where(exact, 1, bound).to(tl.uint32)
+    written = take
+    if NEG1:
+        above_from = tl.maximum(above_from, KEY_NEG_INF)
+        tie_key = tl.where(bound == KEY_NEG_INF, 1, tie_key).to(tl.uint32)
+        written = tl.minimum(take, n_finite)
     above_seen = tl.zeros((), dtype=tl.int32)
     ties_seen = tl.zeros((), dtype=tl.int32)
     for start in range(0, n_pos, BLOCK):
-        if ONE_BLOCK and GATHER:
-            col = cols0
+        if GATHER:
+            if ONE_BLOCK:
+                col = cols0
+            else:
+                col = _columns(cand_cols, start + pos, n_pos, GATHER)
         else:
-            col = _columns(cand_cols, start + pos, n_pos, GATHER)
+            col = start + pos  # (positions from n_pos have key 0: never taken)
         if ONE_BLOCK:
             u = u0
         else:
             u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
-        is_above = (u > 0) & ((u > bound) | ((u == bound) & exact))
-        is_tie = (u > 0) & (u == bound) & (at_bound != take)
-        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS)  # two counts, one sum
+        is_above = u > above_from
+        is_tie = u == tie_key
+        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS, THREADS)  # two counts
         above_rank = above_seen + (ranks & 0xFFFF) - 1
         tie_rank = ties_seen + (ranks >> 16) - 1
-        chosen_tie = is_tie & (tie_rank < need)
         slot = tl.where(is_above, above_rank, n_above + tie_rank)
         index = col + (col_base - shift_cols).to(tl.int32)  # (int32 wraps as the int32 result would)
-        if NEG1:
-            index = tl.where(u == KEY_NEG_INF, -1, index)
         # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
-        chosen = (is_above.to(tl.int32) + chosen_tie.to(tl.int32)) > 0
+        chosen = (is_above.to(tl.int32) + (is_tie & (tie_rank < need)).to(tl.int32)) > 0
         _scattered_store(dst + slot, index.to(tl.int32), chosen, VECTORS)
         if WRITE_KEYS:
             _scattered_store(keys_dst + slot, u.to(tl.int32, bitcast=True), chosen, VECTORS)
         if not ONE_BLOCK:  # (one block: no next block to count for)
             above_seen += tl.sum(is_above.to(tl.int32), axis=0)
             ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
+    return written
 
 
 @triton.jit
@@ -693,7 +714,7 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
                          HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, MODE: tl.constexpr,
                          PAD_COLUMNS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
                          ONE_BLOCK: tl.constexpr, K_POW2: tl.constexpr, VECTORS: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         THREADS: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * stride_row
@@ -714,10 +735,10 @@ def _topk_indices_kernel(logits, lengths, offset, cand, cand_keys, out, n_cols, 
     if MODE == 2:  # CANDIDATES: the columns this row's segments wrote
         n_pos = n_segments * k
     shift_cols = _row_shift(offset, row, HAS_OFFSET and MODE != 1)
-    _select(src, cand_keys + row * n_segments * k, cand + row * n_segments * k, n_pos, take, dst, keys_dst, col_base,
-            shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK, ONE_BLOCK, False,
-            n_cols - col_base, VECTORS)
-    _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS and MODE != 1, MODE == 1, BLOCK)
+    written = _select(src, cand_keys + row * n_segments * k, cand + row * n_segments * k, n_pos, take, dst, keys_dst,
+                      col_base, shift_cols, MODE == 2, MODE == 2, MODE == 1, MODE != 1 and not PAD_COLUMNS, BLOCK,
+                      ONE_BLOCK, False, n_cols - col_base, VECTORS, THREADS)
+    _fill(dst, keys_dst, written, k, length, shift_cols, PAD_COLUMNS and MODE != 1, MODE == 1, BLOCK)
     if SORTED:
         _sort_row(dst, src, k, length, shift_cols, PAD_COLUMNS, K_POW2)
 
@@ -805,26 +826,26 @@ def _around_bin(at_least, b, BINS: tl.constexpr):
 
 @triton.jit
 def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_keys, cand_before, capacity, shift_cols,
-             low, high, scale, WRITE_KEYS: tl.constexpr, BINS: tl.constexpr, VECTORS: tl.constexpr = False,
+             low, high, scale, WRITE_KEYS: tl.constexpr, BINS: tl.constexpr, THREADS: tl.constexpr,
              WINDOW: tl.constexpr = False):
     """Of the row's columns ``col`` (their values ``x``; those from ``length`` take no part): those above boundary bin
     b (``_digit``) to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their
     keys to ``dst_keys``), those in b to the candidates after ``cand_before`` (columns and keys, up to
-    ``capacity``); returns how many of each there were. VECTORS: ``col`` as ``_vector_positions`` (one scan step a
-    vector, not a column)."""
+    ``capacity``); returns how many of each there were. ``col`` is ``_vector_positions`` over THREADS threads (one
+    scan step a vector, not a column)."""
     digit = _digit(x, col < length, low, high, scale, BINS, WINDOW)
     is_above = digit > b
     is_cand = digit == b
     key = _order_key(x).to(tl.int32, bitcast=True)
-    ranks = _prefix_sum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), VECTORS)  # two counts, one scan
+    ranks = _prefix_sum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), True, THREADS)  # two counts, one scan
     above_slot = above_before + (ranks & 0xFFFF) - 1
-    _scattered_store(dst + above_slot, col - shift_cols.to(tl.int32), is_above, VECTORS)
+    _scattered_store(dst + above_slot, col - shift_cols.to(tl.int32), is_above, True)
     if WRITE_KEYS:
-        _scattered_store(dst_keys + above_slot, key, is_above, VECTORS)
+        _scattered_store(dst_keys + above_slot, key, is_above, True)
     cand_slot = cand_before + (ranks >> 16) - 1
     keep = is_cand & (cand_slot < capacity)
-    _scattered_store(cand_cols + cand_slot, col, keep, VECTORS)
-    _scattered_store(cand_keys + cand_slot, key, keep, VECTORS)
+    _scattered_store(cand_cols + cand_slot, col, keep, True)
+    _scattered_store(cand_keys + cand_slot, key, keep, True)
     return tl.sum(_flat(is_above.to(tl.int32)), axis=0), tl.sum(_flat(is_cand.to(tl.int32)), axis=0)
 
 
@@ -977,7 +998,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_stats, before, arri
                           HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr,
                           SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                           SMALL_BLOCK: tl.constexpr, BINS: tl.constexpr, BOUNDS: tl.constexpr,
-                          WINDOW: tl.constexpr, PDL: tl.constexpr = False):
+                          WINDOW: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, p) of P a row, for its segments s = p, p + P, ...: segment s's columns above the row's boundary
     bin b (the bin of its k-th largest value) go straight to the output (after those of the segments before it), its
     columns in b are appended to the row's candidates (columns and keys, up to ``capacity``). A row of at most k
@@ -1009,7 +1030,7 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_stats, before, arri
                 counts_before = before + (row * n_segments + segment) * 2
                 _compact(_row_values(src, col, n_cols), col, length, b, dst, dst_keys, tl.load(counts_before),
                          row_cols, row_keys, tl.load(counts_before + 1), capacity, shift_cols, low, high, scale,
-                         WRITE_KEYS, BINS, True, WINDOW)
+                         WRITE_KEYS, BINS, THREADS, WINDOW)
     else:
         hist_row = hist + row * n_segments * BINS
         above_total = tl.zeros((), tl.int32)
@@ -1021,17 +1042,18 @@ def _radix_compact_kernel(logits, lengths, offset, hist, row_stats, before, arri
             b, above_total, in_bin_total = _boundary_bin(total, take, BINS)
             above_before, in_bin_before = _around_bin(earlier, b, BINS)
             _compact(x, col, length, b, dst, dst_keys, above_before, row_cols, row_keys, in_bin_before, capacity,
-                     shift_cols, 0.0, 0.0, 0.0, WRITE_KEYS, BINS, True)
+                     shift_cols, 0.0, 0.0, 0.0, WRITE_KEYS, BINS, THREADS)
         # Arrival: a release after every thread's stores (the barrier), an acquire before the last program's loads.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + row, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            written = take
             if length > k:
                 if program >= used:  # (a program past the row's columns counted nothing above)
                     total, _ = _row_counts(hist_row, used, 0, SEGMENTS_BLOCK, BINS)
                     _, above_total, in_bin_total = _boundary_bin(total, take, BINS)
-                _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys, length,
-                                   shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
-            _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
+                written = _select_candidates(src, row_cols, row_keys, in_bin_total, above_total, take, dst, dst_keys,
+                                             length, shift_cols, capacity, PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
+            _fill(dst, dst_keys, written, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
 
 
 @triton.jit
@@ -1045,12 +1067,13 @@ def _radix_select_kernel(logits, lengths, offset, row_stats, cand_cols, cand_key
     row, src, length, take, dst, shift_cols = _row_start(tl.program_id(0), logits, lengths, offset, out, n_cols,
                                                          stride_row, k, HAS_LENGTHS, HAS_OFFSET)
     dst_keys = out_keys + row * k
+    written = take
     if length > k:
         stats = row_stats + row * ROW_STATS
-        _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(stats + 2),
-                           tl.load(stats + 1), take, dst, dst_keys, length, shift_cols, capacity,
-                           PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
-    _fill(dst, dst_keys, take, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
+        written = _select_candidates(src, cand_cols + row * capacity, cand_keys + row * capacity, tl.load(stats + 2),
+                                     tl.load(stats + 1), take, dst, dst_keys, length, shift_cols, capacity,
+                                     PAD_COLUMNS, WRITE_KEYS, BLOCK, SMALL_BLOCK)
+    _fill(dst, dst_keys, written, k, length, shift_cols, PAD_COLUMNS, WRITE_KEYS, BLOCK)
 
 
 @triton.jit
@@ -1062,17 +1085,18 @@ def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst_ke
     wide logits, else up to BLOCK; streamed up to ``capacity``; past that, the whole top k from the row itself);
     with WRITE_KEYS their keys to ``dst_keys``."""
     if (SMALL_BLOCK < BLOCK) and (n_cand <= tl.minimum(SMALL_BLOCK, capacity)):  # a short row's few candidates
-        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
-                False, WRITE_KEYS, not PAD_COLUMNS, SMALL_BLOCK, True, True)
+        written = above + _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0,
+                                  shift_cols, True, False, WRITE_KEYS, not PAD_COLUMNS, SMALL_BLOCK, True, True)
     elif n_cand <= tl.minimum(BLOCK, capacity):
-        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
-                False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, True, True)
+        written = above + _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0,
+                                  shift_cols, True, False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, True, True)
     elif n_cand <= capacity:
-        _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0, shift_cols, True,
-                False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, False, True)
+        written = above + _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0,
+                                  shift_cols, True, False, WRITE_KEYS, not PAD_COLUMNS, BLOCK, False, True)
     else:  # the candidates overflowed their buffer
-        _select(src, row_keys, row_cols, length, take, dst, dst_keys, 0, shift_cols, False, False, WRITE_KEYS,
-                not PAD_COLUMNS, BLOCK, False)
+        written = _select(src, row_keys, row_cols, length, take, dst, dst_keys, 0, shift_cols, False, False,
+                          WRITE_KEYS, not PAD_COLUMNS, BLOCK, False)
+    return written
 
 
 @triton.jit
@@ -1088,7 +1112,8 @@ def _row_start(row, logits, lengths, offset, out, n_cols, stride_row, k, HAS_LEN
 @triton.jit
 def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols, stride_row, k, capacity,
                       HAS_LENGTHS: tl.constexpr, HAS_OFFSET: tl.constexpr, PAD_COLUMNS: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr = False):
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, THREADS: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program per row, the radix path in one launch: the digit histogram of the row (in chunks of CHUNK columns),
     its boundary bin, the columns above it to the output and those in it to the candidates, the rest of the top k
     among those (a row of at most k columns: all of them, ``_take_all``), the padding. Programs take the rows last
@@ -1099,6 +1124,7 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
     row_cols = cand_cols + row * capacity
     row_keys = cand_keys + row * capacity
     pos = tl.arange(0, CHUNK)
+    written = take
     if length <= k:
         for start in range(0, length, CHUNK):
             _take_all(src, start + pos, length, dst, dst, shift_cols, not PAD_COLUMNS, False)
@@ -1113,13 +1139,14 @@ def _radix_row_kernel(logits, lengths, offset, cand_cols, cand_keys, out, n_cols
         for start in range(0, length, CHUNK):
             col = start + vector_pos
             n_above, n_in_bin = _compact(_row_values(src, col, n_cols), col, length, b, dst, dst, above_seen, row_cols,
-                                         row_keys, cand_seen, capacity, shift_cols, 0.0, 0.0, 0.0, False, BINS, True)
+                                         row_keys, cand_seen, capacity, shift_cols, 0.0, 0.0, 0.0, False, BINS,
+                                         THREADS)
             above_seen += n_above
             cand_seen += n_in_bin
         tl.debug_barrier()  # the candidates written by every thread of the program
-        _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst, length, shift_cols, capacity,
-                           PAD_COLUMNS, False, BLOCK, BLOCK)
-    _fill(dst, out, take, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
+        written = _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst, length, shift_cols,
+                                     capacity, PAD_COLUMNS, False, BLOCK, BLOCK)
+    _fill(dst, out, written, k, length, shift_cols, PAD_COLUMNS, False, BLOCK)
 
 
 def block_for(n_cols: int) -> int:
@@ -1271,7 +1298,8 @@ def _rows_topk(logits, k, lengths, offset, out, flags, sort_in_kernel, block, nu
     """One program per row (rows longer than ``block``: per segment, then per row among the segments' top k)."""
     rows, n_cols = logits.shape
     segments = segments_for(n_cols, k, block)
-    flags = dict(flags, BLOCK=block, num_warps=num_warps or warps_for(rows, block, sort_in_kernel))
+    warps = num_warps or warps_for(rows, block, sort_in_kernel)
+    flags = dict(flags, BLOCK=block, num_warps=warps, THREADS=warps * warp_threads())
     vectors = vectors_for(logits)
     if segments == 1:
         launch(_topk_indices_kernel, (rows,), logits, lengths, offset, out, out, out, n_cols, logits.stride(0), k, 1,
@@ -1332,10 +1360,11 @@ def _radix_topk(logits, k, lengths, offset, out, out_keys, flags, block, segment
                num_warps=RADIX_BOUNDS_WARPS)
     out_keys = out if out_keys is None else out_keys
     select_sizes = dict(BLOCK=block, SMALL_BLOCK=min(RADIX_SMALL_BLOCK, block // 2))
+    warps = num_warps or (RADIX_COMPACT_WARPS if bounds else RADIX_SELECT_WARPS)
     launch(_radix_compact_kernel, (rows, programs), logits, lengths, offset, hist, row_stats, before, arrivals,
            cand_cols, cand_keys, out, out_keys, n_cols, stride, k, segments, capacity, WRITE_KEYS=out_keys is not out,
-           SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=bins, BOUNDS=bounds, WINDOW=window,
-           num_warps=num_warps or (RADIX_COMPACT_WARPS if bounds else RADIX_SELECT_WARPS), **select_sizes, **flags)
+           SEGMENT=segment, SEGMENTS_BLOCK=segments_block, BINS=bins, BOUNDS=bounds, WINDOW=window, num_warps=warps,
+           THREADS=warps * warp_threads(), **select_sizes, **flags)
     if bounds:
         launch(_radix_select_kernel, (rows,), logits, lengths, offset, row_stats, cand_cols, cand_keys, out, out_keys,
                n_cols, stride, k, capacity, WRITE_KEYS=out_keys is not out, num_warps=RADIX_SELECT_WARPS,
@@ -1347,9 +1376,10 @@ def _radix_row_topk(logits, k, lengths, offset, out, flags, chunk, block, capaci
     rows, n_cols = logits.shape
     cand_cols = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)
     cand_keys = torch.empty(rows, capacity, dtype=torch.int32, device=logits.device)  # uint32 keys' bits
+    warps = num_warps or RADIX_ROW_WARPS
     launch(_radix_row_kernel, (rows,), logits, lengths, offset, cand_cols, cand_keys, out, n_cols, logits.stride(0), k,
            capacity, CHUNK=max(min(chunk, next_power_of_2(n_cols)), 4), BLOCK=block, BINS=RADIX_ROW_BINS,
-           num_warps=num_warps or RADIX_ROW_WARPS, **flags)
+           num_warps=warps, THREADS=warps * warp_threads(), **flags)
 
 
 def _sort_by_ranks(selected, keys, out):
