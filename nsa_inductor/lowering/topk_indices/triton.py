@@ -580,16 +580,17 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
 
 
 @triton.jit
-def _fill(dst, keys_dst, take, k, length, shift_cols, PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr,
+def _fill(dst, keys_dst, written, k, length, shift_cols, PAD_COLUMNS: tl.constexpr, WRITE_KEYS: tl.constexpr,
           BLOCK: tl.constexpr):
-    """Slots [take, k) where fewer than k columns take part: -1 (no candidate), or with PAD_COLUMNS distinct columns
-    past the row's length (k <= N, and they read as -inf); with WRITE_KEYS key 0 beside them."""
+    """Slots [written, k) that the select left (fewer than k columns take part, or with the masked idiom fewer than
+    k finite values): -1, or with PAD_COLUMNS distinct columns past the row's length (k <= N, and they read as
+    -inf); with WRITE_KEYS key 0 beside them."""
     pos = tl.arange(0, BLOCK)
-    for start in range(take, k, BLOCK):
+    for start in range(written, k, BLOCK):
         slot = start + pos
         fill = tl.full((BLOCK,), -1, tl.int64)
         if PAD_COLUMNS:
-            fill = length + (slot - take).to(tl.int64) - shift_cols
+            fill = length + (slot - written).to(tl.int64) - shift_cols
         tl.store(dst + slot, fill.to(tl.int32), mask=slot < k)
         if WRITE_KEYS:
             tl.store(keys_dst + slot, tl.zeros((BLOCK,), tl.int32), mask=slot < k)
@@ -1083,7 +1084,7 @@ def _select_candidates(src, row_cols, row_keys, n_cand, above, take, dst, dst_ke
     """The rest of a row's top k after its ``above`` columns above the boundary bin, among the bin's ``n_cand``
     candidates (held in registers: in a block of SMALL_BLOCK where they are that few, as a short row's in an engine's
     wide logits, else up to BLOCK; streamed up to ``capacity``; past that, the whole top k from the row itself);
-    with WRITE_KEYS their keys to ``dst_keys``."""
+    with WRITE_KEYS their keys to ``dst_keys``. Returns how many of the row's slots hold entries (``_select``)."""
     if (SMALL_BLOCK < BLOCK) and (n_cand <= tl.minimum(SMALL_BLOCK, capacity)):  # a short row's few candidates
         written = above + _select(src, row_keys, row_cols, n_cand, take - above, dst + above, dst_keys + above, 0,
                                   shift_cols, True, False, WRITE_KEYS, not PAD_COLUMNS, SMALL_BLOCK, True, True)
