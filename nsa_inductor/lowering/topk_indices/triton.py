@@ -62,6 +62,12 @@ INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole 
 # A whole row's search ends this many keys or fewer from the take-th at an end of its bracket by taking the keys off
 # that end one reduction each (`_peel_end`), where counting trial bounds closes in a key at a time.
 WHOLE_ROW_PEEL = tl.constexpr(2)
+# Vectors of a thread the writes' prefix sum (`_prefix_sum`) takes in turn before the next thread's: one scan across
+# the threads a group. Larger groups scan less, but spread a warp's stores over more memory sectors (a lane's next
+# entry is a group's worth of its columns on): best on an H100, the select's 2, the compactions' 4 (BENCHMARKS.md,
+# top-k, "The writes' scan thread by thread").
+SELECT_SCAN_GROUP = tl.constexpr(2)
+COMPACT_SCAN_GROUP = tl.constexpr(4)
 # The split radix path: rows up to this many of 16K+ columns go through it. Boundary-bin candidates the radix paths
 # keep at most (more: the row is selected from itself).
 RADIX_MAX_ROWS = 128
@@ -158,17 +164,21 @@ def _vector_keys(src, pos, n_pos, n_readable):
 
 
 @triton.jit
-def _prefix_sum(x, VECTORS: tl.constexpr, THREADS: tl.constexpr):
+def _prefix_sum(x, VECTORS: tl.constexpr, THREADS: tl.constexpr, GROUP: tl.constexpr):
     """Inclusive prefix sum in scan order: a block's positions in order; with VECTORS (``_vector_positions``, where
-    thread t of THREADS holds vectors t, t + THREADS, ...) thread by thread, a thread's vectors in turn, so that one
-    scan across the threads (of their totals) serves every vector they hold, not one scan per vector a thread holds."""
+    thread t of THREADS holds vectors t, t + THREADS, ...) GROUP of a thread's vectors in turn, then the same group
+    of the next thread's, group after group: one scan across the threads (of their groups' totals) a group, not one
+    a vector."""
     if VECTORS:
         if x.shape[0] > THREADS:
-            held = tl.reshape(x, (x.shape[0] // THREADS, THREADS, 4))  # [a thread's vector, thread, column]
-            totals = tl.sum(held, axis=2)
-            thread_totals = tl.sum(totals, axis=0)
-            before = (tl.cumsum(thread_totals, axis=0) - thread_totals)[None, :] + tl.cumsum(totals, axis=0) - totals
-            return tl.reshape(before[:, :, None] + tl.cumsum(held, axis=2), x.shape)
+            REPS: tl.constexpr = x.shape[0] // THREADS
+            G: tl.constexpr = GROUP if GROUP < REPS else REPS
+            held = tl.reshape(x, (REPS // G, G, THREADS, 4))  # [group, vector in the group, thread, column]
+            totals = tl.sum(held, axis=3)
+            group_totals = tl.reshape(tl.sum(totals, axis=1), (REPS // G * THREADS,))  # by group, then thread
+            groups_before = tl.reshape(tl.cumsum(group_totals, axis=0) - group_totals, (REPS // G, THREADS))
+            before = groups_before[:, None, :] + tl.cumsum(totals, axis=1) - totals
+            return tl.reshape(before[:, :, :, None] + tl.cumsum(held, axis=3), x.shape)
         else:
             totals = tl.sum(x, axis=1)
             return (tl.cumsum(totals, axis=0) - totals)[:, None] + tl.cumsum(x, axis=1)
@@ -563,7 +573,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
             u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
         is_above = u > above_from
         is_tie = u == tie_key
-        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS, THREADS)  # two counts
+        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS, THREADS, SELECT_SCAN_GROUP)
         above_rank = above_seen + (ranks & 0xFFFF) - 1
         tie_rank = ties_seen + (ranks >> 16) - 1
         slot = tl.where(is_above, above_rank, n_above + tie_rank)
@@ -838,7 +848,7 @@ def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_key
     is_above = digit > b
     is_cand = digit == b
     key = _order_key(x).to(tl.int32, bitcast=True)
-    ranks = _prefix_sum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), True, THREADS)  # two counts, one scan
+    ranks = _prefix_sum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), True, THREADS, COMPACT_SCAN_GROUP)
     above_slot = above_before + (ranks & 0xFFFF) - 1
     _scattered_store(dst + above_slot, col - shift_cols.to(tl.int32), is_above, True)
     if WRITE_KEYS:
