@@ -842,8 +842,8 @@ def _compact(x, col, length, b, dst, dst_keys, above_before, cand_cols, cand_key
     """Of the row's columns ``col`` (their values ``x``; those from ``length`` take no part): those above boundary bin
     b (``_digit``) to ``dst`` after ``above_before`` entries (as column minus ``shift_cols``; with WRITE_KEYS their
     keys to ``dst_keys``), those in b to the candidates after ``cand_before`` (columns and keys, up to
-    ``capacity``); returns how many of each there were. ``col`` is ``_vector_positions`` over THREADS threads (one
-    scan step a vector, not a column)."""
+    ``capacity``); returns how many of each there were. ``col`` is ``_vector_positions`` over THREADS threads,
+    scanned in groups of COMPACT_SCAN_GROUP of a thread's vectors (``_prefix_sum``)."""
     digit = _digit(x, col < length, low, high, scale, BINS, WINDOW)
     is_above = digit > b
     is_cand = digit == b
