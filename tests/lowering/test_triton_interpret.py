@@ -450,10 +450,10 @@ def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pa
 
 
 @child_only
-@pytest.mark.parametrize("path,kwargs", [("bisect", {}), ("bisect", {"sorted_": True}),
-                                         ("radix_split", {"segment": 32}), ("radix_row", {"chunk": 32})])
+@pytest.mark.parametrize("path,sizes,sorted_", [("bisect", {}, False), ("bisect", {}, True),
+                                                ("radix_split", {"segment": 32}, False), ("radix_row", {"chunk": 32}, False)])
 @pytest.mark.parametrize("kind", ["ties", "tail", "nan", "randn"])
-def test_topk_scan_runs_thread_by_thread(path, kwargs, kind):
+def test_topk_scan_runs_thread_by_thread(path, sizes, sorted_, kind):
     """Where a thread holds several of a block's vectors of 4 columns (`_vector_positions`), the writes' prefix sum
     takes groups of a thread's vectors in turn, then the next thread's (`_prefix_sum`): here with 1-2 threads a warp,
     so that 64-column blocks have 4-8 vectors a thread, in groups of 1 or 2; every -inf of a "neg1" row (`tail`) is
@@ -464,12 +464,11 @@ def test_topk_scan_runs_thread_by_thread(path, kwargs, kind):
     rows, cols, k = 3, 64, 20
     logits = adversarial_topk_logits(rows, cols, kind, 7)
     lengths = torch.tensor([64, 33, 5], dtype=torch.int32)
-    sorted_ = kwargs.pop("sorted_", False)
     for threads, group, pad in itertools.product((1, 2), (1, 2), ("neg1", "column")):
         guarded = torch.full((rows + 2, k), 12345, dtype=torch.int32)
         with mock.patch.object(tk, "warp_threads", lambda: threads), \
                 mock.patch.multiple(tk, SELECT_SCAN_GROUP=tl.constexpr(group), COMPACT_SCAN_GROUP=tl.constexpr(group)):
-            got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, out=guarded[1:-1], path=path, **kwargs)
+            got = tk.topk_indices(logits, k, lengths, None, pad, sorted_, out=guarded[1:-1], path=path, **sizes)
         assert_topk_valid(logits, got, k, lengths, None, pad, sorted_)
         assert (guarded[0] == 12345).all() and (guarded[-1] == 12345).all()
         if pad == "neg1" and path == "bisect":
