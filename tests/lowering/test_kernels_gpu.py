@@ -777,6 +777,29 @@ def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
     torch.testing.assert_close(got_v.float(), want_v.float(), equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("block_t", [4, 16])
+def test_quant_cache_store_prefill_slots_with_late_duplicates(block_t):
+    """A prefill's increasing slots over 8192 tokens (the scan skips the blocks that cannot hold a duplicate) with a
+    few tokens repeating a slot of a much earlier one: the earliest programs scan the whole mapping and finish last,
+    so a duplicate the scan missed would let the earlier token's bytes land last. Tiles of 4 (no rotation) and 16
+    (the rotation's prefill tiles)."""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(17)
+    tokens = 8192
+    k = (torch.randn(tokens, 128, generator=gen) * 3).bfloat16().to(DEV)
+    slots = torch.arange(tokens) + 64
+    slots[::251] = -1
+    late = torch.tensor([8000, 7000, 5000, 4100, 1030, 70])
+    slots[late] = slots[torch.tensor([1, 2, 3, 1500, 4, 65])]
+    slots = slots.to(DEV)
+    cache = torch.randint(0, 256, (tokens // 64 + 2, 64 * 132), dtype=torch.uint8, generator=gen).to(DEV)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, 64, False, "ue8m0", FN)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, "ue8m0", FN, block_t=block_t)
+    assert torch.equal(cache, want)
+
+
 def _filled(a):
     """A case's argument on the GPU with random values (index tensors as they are)."""
     if not isinstance(a, torch.Tensor):

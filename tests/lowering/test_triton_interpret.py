@@ -120,6 +120,30 @@ def test_quant_cache_store_duplicates_across_programs_and_scan_blocks():
 
 
 @child_only
+@pytest.mark.parametrize("block_t", [4, 64])
+def test_quant_cache_store_duplicates_past_skipped_scan_blocks(block_t):
+    """A prefill's slot mapping (increasing, padding -1 among it) over 2300 tokens, more than two of the kernel's
+    1024-slot scan blocks: most blocks hold no slot between a program's lowest and highest and are skipped, and the
+    few later duplicates (in the next block, two blocks on, in the same program) still win their slots. (Programs
+    run in order here, so this shows a token wrongly marked overwritten; a missed duplicate shows in the GPU twin,
+    test_kernels_gpu.py, where the earliest programs, which scan the most, finish last.)"""
+    from nsa_inductor.lowering.quant_cache_store import reference
+
+    gen = torch.Generator().manual_seed(5)
+    tokens = 2300
+    k = (torch.randn(tokens, 128, generator=gen) * 3).bfloat16()
+    slots = torch.arange(tokens) + 7
+    slots[::97] = -1
+    slots[2250], slots[1500], slots[1030], slots[3] = slots[5], slots[1100], slots[2], slots[2]
+    slots[2299] = 10**6  # past the cache: written nowhere, and no reason to scan
+    cache = torch.randint(0, 256, (tokens // 16 + 1, 16 * 132), dtype=torch.uint8, generator=gen)
+    want = cache.clone()
+    reference.quant_cache_store(k, want, slots, 16, False, "ue8m0", FN)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN, block_t=block_t)
+    assert torch.equal(cache, want)
+
+
+@child_only
 @pytest.mark.parametrize("dtype", [FN, FNUZ])
 def test_quant_cache_store_keeps_nan_and_inf_as_the_reference(dtype):
     """Rows with a NaN, with +-inf, and both: values and scale decode as the reference's (NaN where it has NaN)."""

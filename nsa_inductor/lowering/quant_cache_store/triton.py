@@ -62,6 +62,7 @@ def _quant_store_kernel(
     CUDA_ISA: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,
+    COMPARE_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
@@ -72,7 +73,9 @@ def _quant_store_kernel(
     reference without a rotation: ``quantize_rows``), unless the slot is outside ``[0, num_slots)`` or a later token
     of the store has the same slot (docs/indices.md: the last token writes a shared slot). Each program finds the
     later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a few
-    KB in decode, read from L2 by every program)."""
+    KB in decode, read from L2 by every program), and compares its rows with a block's slots, COMPARE_BLOCK at a
+    time, only where some slot of the block lies between its rows' lowest and highest: a prefill's increasing slots
+    cost one load and two compares a slot, not BLOCK_T compares."""
     wait_for_previous_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
@@ -102,12 +105,20 @@ def _quant_store_kernel(
         x = x.to(tl.float16).to(tl.float32)
     y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, CUDA_ISA)
     y = fp8_values(y, values_ptr.dtype.element_ty, NAN_CODE)
+    writable = in_range & (slot >= 0) & (slot < num_slots)  # (the only rows that can be kept)
+    lowest = tl.min(tl.where(writable, slot, num_slots), axis=0)
+    highest = tl.max(tl.where(writable, slot, -1), axis=0)
     overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
     for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
         later = first + tl.arange(0, SCAN_BLOCK)
         later_slot = tl.load(slot_ptr + later, mask=later < num_tokens, other=-1).to(tl.int64)
-        same = (later_slot[None, :] == slot[:, None]) & (later[None, :] > t[:, None]) & (later < num_tokens)[None, :]
-        overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
+        if tl.max(((later_slot >= lowest) & (later_slot <= highest)).to(tl.int32), axis=0) > 0:
+            for part in range(first, tl.minimum(first + SCAN_BLOCK, num_tokens), COMPARE_BLOCK):
+                token = part + tl.arange(0, COMPARE_BLOCK)
+                token_slot = tl.load(slot_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+                same = ((token_slot[None, :] == slot[:, None]) & (token[None, :] > t[:, None])
+                        & (token < num_tokens)[None, :])
+                overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
     keep = (slot >= 0) & (slot < num_slots) & (overwritten == 0)
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
@@ -150,4 +161,5 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
            SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
            **scale_constants(input_scale, input_divide), ROUND_TO=_ROUND_TO[input_dtype], PAGE_SIZE=page_size,
            PRESHUFFLE=preshuffle, **quantize_constants(fp8_dtype, None, scale_fmt),
-           CUDA_ISA=cuda_isa(_quant_store_kernel), BLOCK_T=block_t, SCAN_BLOCK=128, num_warps=4)
+           CUDA_ISA=cuda_isa(_quant_store_kernel), BLOCK_T=block_t, SCAN_BLOCK=1024, COMPARE_BLOCK=128,
+           num_warps=4)
