@@ -780,9 +780,9 @@ def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
 @pytest.mark.parametrize("block_t", [4, 16])
 def test_quant_cache_store_prefill_slots_with_late_duplicates(block_t):
     """A prefill's increasing slots over 8192 tokens (the scan skips the blocks that cannot hold a duplicate) with a
-    few tokens repeating a slot of a much earlier one: the earliest programs scan the whole mapping and finish last,
-    so a duplicate the scan missed would let the earlier token's bytes land last. Tiles of 4 (no rotation) and 16
-    (the rotation's prefill tiles)."""
+    few tokens repeating a slot of a much earlier one: the earliest programs scan the most of the mapping and tend to
+    finish last, so a duplicate the scan missed would likely let the earlier token's bytes land last. Tiles of 4 (no
+    rotation) and 16 (the rotation's prefill tiles)."""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(17)

@@ -126,7 +126,7 @@ def test_quant_cache_store_duplicates_past_skipped_scan_blocks(block_t):
     1024-slot scan blocks: most blocks hold no slot between a program's lowest and highest and are skipped, and the
     few later duplicates (in the next block, two blocks on, in the same program) still win their slots. (Programs
     run in order here, so this shows a token wrongly marked overwritten; a missed duplicate shows in the GPU twin,
-    test_kernels_gpu.py, where the earliest programs, which scan the most, finish last.)"""
+    test_kernels_gpu.py, where the earliest programs, which scan the most, tend to finish last.)"""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(5)
