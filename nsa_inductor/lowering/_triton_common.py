@@ -280,19 +280,24 @@ def round_to_fp8_grid(y, sign_of, MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constex
 
 
 @triton.jit
-def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr, MIN_EXP: tl.constexpr,
-                  SIGNED_ZERO: tl.constexpr, CUDA_ISA: tl.constexpr):
-    """act_quant of each row of fp32 ``x [R, block]``: ``(values on the fp8 grid, still fp32, scale [R])``; a row
-    holding NaN gets a NaN scale and NaN values, as the torch reference.
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def quantize_rows(x, FP8: tl.constexpr, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.constexpr,
+                  MIN_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, CUDA_ISA: tl.constexpr):
+    """act_quant of each row of fp32 ``x [R, block]``: ``(values FP8, scale [R])``; a row holding NaN gets a NaN
+    scale and NaN values (``NAN_CODE``), as the torch reference.
 
     Bit-identical to the torch reference (``quant.act_quant``) on the same device: torch on a GPU computes
     ``amax / fmax`` as ``amax * (1/fmax)`` (scalar divisor) and log2/exp2 with the device math library
     (libdevice/ocml); on the host (interpreter) it divides exactly. ``x / scale`` is an IEEE division in both; a
     ue8m0 scale is a power of two whose reciprocal is exact, so ``x * (1 / scale)`` rounds the same real number and
     gives the same bits without a division per value (BENCHMARKS.md "Quantization without a division per value").
+    Where the row maximum and the clamp keep NaN (``max.NaN``, ``min.NaN``), no value is tested for it on the GPU.
     """
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
-    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)  # GPU max/maximum drop NaN
+    amax = _max_keeping_nan(tl.reduce(tl.abs(x), 1, _max_keeping_nan), _AMAX_FLOOR)
     if ON_GPU:
         scale = amax * INV_FMAX
     else:
@@ -306,12 +311,16 @@ def quantize_rows(x, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, UE8M0: tl.const
         quotient = x * tl.math.div_rn(1.0, scale)[:, None]
     else:
         quotient = tl.math.div_rn(x, scale[:, None])
-    if CUDA_ISA and SIGNED_ZERO and MIN_EXP == -6:  # e4m3fn: the hardware's rounding, the sign as a bit
-        y = tl.abs(tl.clamp(quotient, -FMAX, FMAX)).to(tl.float8e4nv).to(tl.float32)
-        y = (y.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    clamped = tl.clamp(quotient, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    if CUDA_ISA and SIGNED_ZERO and MIN_EXP == -6:
+        # e4m3fn: the hardware's rounding; the clamp keeps a NaN (GPUs make it +NaN, converted to NAN_CODE) and the
+        # sign of a zero
+        values = clamped.to(FP8)
     else:
-        y = round_to_fp8_grid(tl.clamp(quotient, -FMAX, FMAX), x, MIN_EXP, SIGNED_ZERO)
-    return tl.where(quotient != quotient, quotient, y), scale  # NaN stays NaN
+        # the interpreter's fp8 cast turns NaN into other bits
+        bits = round_to_fp8_grid(clamped, x, MIN_EXP, SIGNED_ZERO).to(FP8).to(tl.uint8, bitcast=True)
+        values = tl.where(quotient != quotient, NAN_CODE, bits).to(tl.uint8).to(FP8, bitcast=True)
+    return values, scale
 
 
 @triton.jit
@@ -345,14 +354,6 @@ def quantize_constants(fp8_dtype: torch.dtype, fmax: float | None, scale_fmt: st
             "MIN_EXP": 1 - (8 if fp8_dtype == torch.float8_e4m3fnuz else 7),
             "SIGNED_ZERO": fp8_dtype == torch.float8_e4m3fn,
             "NAN_CODE": 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80}  # e4m3fn: 0x7F; fnuz: its only NaN
-
-
-@triton.jit
-def fp8_values(y, FP8: tl.constexpr, NAN_CODE: tl.constexpr):
-    """``y`` (on the fp8 grid) as ``FP8`` values, NaN as the type's NaN code (the interpreter's fp8 cast turns NaN
-    into other bits)."""
-    bits = tl.where(y != y, NAN_CODE, y.to(FP8).to(tl.uint8, bitcast=True))
-    return bits.to(tl.uint8).to(FP8, bitcast=True)
 
 
 @triton.jit
@@ -469,41 +470,47 @@ def normalized(x, mean, rstd, w, b):
 
 
 @triton.jit
-def rope_rows(x, row_ptr, token, ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
-              stride_sj, ln_mean, ln_rstd, ln_w_ptr, ln_b_ptr, split_stride, ROPE_DIM: tl.constexpr,
+def rope_rows(x, row_ptr, ok, token, token_ok, pos_ptr, n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj,
+              stride_sp, stride_sj, ln_mean, ln_rstd, ln_w_ptr, ln_b_ptr, split_stride, ROPE_DIM: tl.constexpr,
               INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, ROUND_PARTNER: tl.constexpr, CUDA_ISA: tl.constexpr,
               SPLITS: tl.constexpr):
-    """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]``) with eager's RoPE on their first ``ROPE_DIM``
-    lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when ``INTERLEAVED``, turn
-    by the angle of pair i at ``positions[token]``: ``x*cos - partner*sin`` for a pair's first lane, ``x*cos +
-    partner*sin`` for its second, each product rounded (``mul_rn``). A position outside the tables (after Python
-    wrapping: ``wrapped_index``) is not read and gives NaN. ``LAYER_NORM``: the rows in memory are before
-    :func:`layer_norm_rows` (``x`` is after it): the partners are normalised as loaded, by the rows' ``ln_mean`` and
-    ``ln_rstd``. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to bf16 as loaded (``x`` already is).
-    ``SPLITS``: the rows in memory are split-K partials (:func:`load_split_sum`), summed as loaded."""
+    """Rows ``x [BLOCK, 128]`` (loaded from ``row_ptr [BLOCK]`` where ``ok``) with eager's RoPE on their first
+    ``ROPE_DIM`` lanes, rounded to bf16 (kept in fp32): lane pairs (i, i + ROPE_DIM/2), or (2i, 2i+1) when
+    ``INTERLEAVED``, turn by the angle of pair i at ``positions[token]``: ``x*cos - partner*sin`` for a pair's first
+    lane, ``x*cos + partner*sin`` for its second, each product rounded (``mul_rn``). ``token``, ``token_ok``: [BLOCK],
+    or [1] where every row is of one token (its tables are then loaded once, not per row). A position outside the
+    tables (after Python wrapping: ``wrapped_index``) is not read and gives NaN. Interleaved partners are taken from
+    ``x`` itself; the others are loaded again (a lane 32 away lies in another thread): ``LAYER_NORM``: the rows in
+    memory are before :func:`layer_norm_rows` (``x`` is after it): the partners are normalised as loaded, by the rows'
+    ``ln_mean`` and ``ln_rstd``. ``ROUND_PARTNER``: the rows are fp32 in memory, rounded to bf16 as loaded (``x``
+    already is). ``SPLITS``: the rows in memory are split-K partials (:func:`load_split_sum`), summed as loaded."""
+    rows: tl.constexpr = x.shape[0]
     d = tl.arange(0, 128)
     half: tl.constexpr = ROPE_DIM // 2
     lane = d < ROPE_DIM
     if INTERLEAVED:
-        pair, first, partner = d // 2, d % 2 == 0, d ^ 1
+        pair, first = d // 2, d % 2 == 0
     else:
         pair, first = d % half, d < half
-        partner = tl.where(first, d + half, d - half)
-    pos = tl.load(pos_ptr + token, mask=ok, other=0).to(tl.int64)
-    pos, readable = wrapped_index(pos, ok, n_positions)
+    pos = tl.load(pos_ptr + token, mask=token_ok, other=0).to(tl.int64)
+    pos, readable = wrapped_index(pos, token_ok, n_positions)
     mask = readable[:, None] & lane[None, :]
     cos = tl.load(cos_ptr + pos[:, None] * stride_cp + pair[None, :] * stride_cj, mask=mask, other=float("nan"))
     sin = tl.load(sin_ptr + pos[:, None] * stride_sp + pair[None, :] * stride_sj, mask=mask, other=float("nan"))
-    other = load_split_sum(row_ptr[:, None] + partner[None, :], ok[:, None] & lane[None, :], 0.0, split_stride,
-                           SPLITS).to(tl.float32)
-    if LAYER_NORM:
-        other = normalized(other, ln_mean, ln_rstd, tl.load(ln_w_ptr + partner), tl.load(ln_b_ptr + partner))
-    if ROUND_PARTNER:
-        other = round_to_bf16(other)
+    sin = tl.where(first[None, :], -sin, sin)  # x*cos + partner*(-sin): the first lane's difference, exactly
     x = x.to(tl.float32)
-    turned = mul_rn(x, cos, CUDA_ISA)
-    cross = mul_rn(other, sin, CUDA_ISA)
-    turned = tl.where(first[None, :], turned - cross, turned + cross)
+    if INTERLEAVED:
+        even, odd = tl.split(tl.reshape(x, [rows, 64, 2]))
+        other = tl.reshape(tl.join(odd, even), [rows, 128])
+    else:
+        partner = tl.where(first, d + half, d - half)
+        other = load_split_sum(row_ptr[:, None] + partner[None, :], ok[:, None] & lane[None, :], 0.0, split_stride,
+                               SPLITS).to(tl.float32)
+        if LAYER_NORM:
+            other = normalized(other, ln_mean, ln_rstd, tl.load(ln_w_ptr + partner), tl.load(ln_b_ptr + partner))
+        if ROUND_PARTNER:
+            other = round_to_bf16(other)
+    turned = mul_rn(x, cos, CUDA_ISA) + mul_rn(other, sin, CUDA_ISA)
     return tl.where(lane[None, :], round_to_bf16(turned), x)
 
 
@@ -519,34 +526,34 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, BLOCK: tl
     products as eager's fp32 GEMM forms them, summed in a tree (+0.0 after it: an all-zero row sums to +0 as in a
     GEMM, not to -0). Larger tiles use ``tl.dot``, which needs 16 rows: an fp32 ``R`` (``SPLIT`` 1) enters as bf16
     ``hi + lo`` (:func:`split_bf16`: R to ~16 bits; two dots, one where every ``lo`` is 0, as in a +-1 Hadamard), a
-    bf16 one (``SPLIT`` 0) as is. ``SPLIT`` 2: the fp32 ``R`` split once ahead of the launch (``rot_ptr``: the bf16
-    planes hi, lo and a flag, nonzero where any ``lo`` is, as ``rotate_act_quant``'s ``split_rotation`` writes
-    them; tiles of 16+), the same values and dots without each program loading and splitting the fp32 matrix. The
-    small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small tiles")."""
+    bf16 one (``SPLIT`` 0) as is. ``SPLIT`` 2 and 3: the fp32 ``R`` split once ahead of the launch (``rot_ptr``: the
+    bf16 planes hi, lo and a flag, nonzero where any ``lo`` is, as ``rotate_act_quant``'s ``split_rotation`` writes
+    them; tiles of 16+), the same values and dots without each program loading and splitting the fp32 matrix, for a
+    caller that has read the flag: 2 where it is clear (the hi dot alone), 3 where it is set (both, the hi one summed
+    onto the lo one's result). The small tiles are the faster path in decode (BENCHMARKS.md "The rotation's small
+    tiles")."""
     d = tl.arange(0, 128)
     acc = tl.zeros([BLOCK, 128], dtype=tl.float32)
     plane = d[:, None] * 128 + d[None, :]
-    if SPLIT == 2:
+    if SPLIT >= 2:
         tl.static_assert(BLOCK >= 16)
-        acc = dot_bf16(acc, x, tl.load(rot_ptr + plane))
-        any_lo = tl.load(rot_ptr + 2 * ROTATION_PLANE) != 0.0
-    else:
-        r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
-        if BLOCK < 16:
-            row = tl.arange(0, BLOCK)[:, None]
-            x = x.to(tl.float32)
-            for i in tl.static_range(BLOCK):
-                xi = tl.sum(tl.where(row == i, x, 0.0), axis=0)  # row i as a column vector
-                acc = tl.where(row == i, (tl.sum(xi[:, None] * r, axis=0) + 0.0)[None, :], acc)
-            return acc
-        if SPLIT == 0:
-            return dot_bf16(acc, x, r)
-        hi, lo = split_bf16(r)
-        acc = dot_bf16(acc, x, hi)
-        any_lo = tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0
-    if any_lo:
-        if SPLIT == 2:
-            lo = tl.load(rot_ptr + ROTATION_PLANE + plane)
+        if SPLIT == 3:  # (GPUs fuse the hi dot's sum with the fixed lo one: the lo dot first makes that the order)
+            acc = dot_bf16(acc, x, tl.load(rot_ptr + ROTATION_PLANE + plane))
+            acc = tl.where(acc != acc, 0.0, acc)  # an inf in x times lo's zeros is NaN where eager's product is inf
+        return dot_bf16(acc, x, tl.load(rot_ptr + plane)) + 0.0  # (+0.0: -0 -> +0 as in a GEMM's sum)
+    r = tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn).to(tl.float32)
+    if BLOCK < 16:
+        row = tl.arange(0, BLOCK)[:, None]
+        x = x.to(tl.float32)
+        for i in tl.static_range(BLOCK):
+            xi = tl.sum(tl.where(row == i, x, 0.0), axis=0)  # row i as a column vector
+            acc = tl.where(row == i, (tl.sum(xi[:, None] * r, axis=0) + 0.0)[None, :], acc)
+        return acc
+    if SPLIT == 0:
+        return dot_bf16(acc, x, r)
+    hi, lo = split_bf16(r)
+    acc = dot_bf16(acc, x, hi)
+    if tl.sum((lo != 0.0).to(tl.int32), axis=None) > 0:
         low = dot_bf16(tl.zeros([BLOCK, 128], dtype=tl.float32), x, lo)
         acc += tl.where(low != low, 0.0, low)  # an inf in x times lo's zeros is NaN where eager's product is inf
     else:

@@ -24,6 +24,7 @@ from nsa_inductor.lowering import _triton_common as common  # noqa: E402
 
 TARGETS = {"sm_90": (GPUTarget("cuda", 90, 32), torch.float8_e4m3fn, False),
            "gfx942": (GPUTarget("hip", "gfx942", 64), torch.float8_e4m3fnuz, True)}
+SHARED_BYTES = {"sm_90": 232448, "gfx942": 65536}  # shared memory a program may hold (a kernel past it fails to load)
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
                  torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
                  torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
@@ -96,6 +97,8 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
     rope = {"rope_cos": cos_sin[:, 0], "rope_sin": cos_sin[:, 1], "positions": torch.arange(tokens)}
     calls.append(("rotate_act_quant", (x, rotation, 128**-0.5, False, 128, "ue8m0", fp8, float(torch.finfo(fp8).max)),
                   rope))
+    calls.append(("rotate_act_quant", (x, rotation, 128**-0.5, False, 128, "ue8m0", fp8, float(torch.finfo(fp8).max)),
+                  {}))  # (without the RoPE's gathers the lo plane's loop pipelines its loads)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     calls.append(("gather_k", (cache, torch.arange(pages, dtype=torch.int32)[None], cu, page, preshuffle, tokens, fp8),
                   {}))
@@ -154,8 +157,11 @@ def test_every_kernel_compiles_for_the_target(target_name):
         # loads vectorise and pipeline; unaligned, they compile to byte loads).
         aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
         try:
-            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned),
-                           target=target, options=options)
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned),
+                                      target=target, options=options)
         except Exception as error:  # noqa: BLE001 (collected: every failing specialisation is reported)
             failures.append(f"{key[0]} {dict(options)} {constexprs}: {type(error).__name__}: {str(error)[:300]}")
+            continue
+        if compiled.metadata.shared > SHARED_BYTES[target_name]:
+            failures.append(f"{key[0]} {dict(options)} {constexprs}: {compiled.metadata.shared} bytes of shared memory")
     assert not failures, "\n".join(failures)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import (cdiv, cuda_isa, fp8_values, launch, layer_norm_rows, load_split_sum, quantize_constants,
+from .._triton_common import (cdiv, cuda_isa, launch, layer_norm_rows, load_split_sum, quantize_constants,
                               quantize_rows, rope_arguments, rope_rows, rotate_rows, round_to_bf16, scale_constants,
                               scale_offsets, scale_rows, value_offsets, wait_for_previous_grid)
 
@@ -91,9 +91,9 @@ def _quant_store_kernel(
     if ROUND_K:
         x = round_to_bf16(x).to(tl.bfloat16)  # (exact: the value is a bf16 one)
     if ROPE_DIM:
-        x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, t // rows_per_token, in_range, pos_ptr, n_positions,
-                      cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ln_mean, ln_rstd, ln_w_ptr,
-                      ln_b_ptr, split_stride, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, CUDA_ISA, SPLITS)
+        x = rope_rows(x, k_ptr + t.to(tl.int64) * stride_k, in_range, t // rows_per_token, in_range, pos_ptr,
+                      n_positions, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp, stride_sj, ln_mean, ln_rstd,
+                      ln_w_ptr, ln_b_ptr, split_stride, ROPE_DIM, INTERLEAVED, LAYER_NORM, ROUND_K, CUDA_ISA, SPLITS)
     if ROTATE:
         x = rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT_ROTATION, BLOCK_T)
     else:
@@ -103,8 +103,8 @@ def _quant_store_kernel(
         x = round_to_bf16(x)
     elif ROUND_TO == "fp16":
         x = x.to(tl.float16).to(tl.float32)
-    y, scale = quantize_rows(x, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, CUDA_ISA)
-    y = fp8_values(y, values_ptr.dtype.element_ty, NAN_CODE)
+    y, scale = quantize_rows(x, values_ptr.dtype.element_ty, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE,
+                             CUDA_ISA)
     writable = in_range & (slot >= 0) & (slot < num_slots)  # (the only rows that can be kept)
     lowest = tl.min(tl.where(writable, slot, num_slots), axis=0)
     highest = tl.max(tl.where(writable, slot, -1), axis=0)
