@@ -78,8 +78,8 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
                                    QUANT_BLOCK, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE, CUDA_ISA,
                                    BLOCK_M, ONE_TOKEN_A_TILE)
     else:
-        _rotate_act_quant_tile(tl.program_id(0), x_ptr, rot_ptr, values_ptr, scales_ptr, rows, stride_rk, stride_rn, pos_ptr,
-                               n_positions, rows_per_token, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
+        _rotate_act_quant_tile(tl.program_id(0), x_ptr, rot_ptr, values_ptr, scales_ptr, rows, stride_rk, stride_rn,
+                               pos_ptr, n_positions, rows_per_token, cos_ptr, sin_ptr, stride_cp, stride_cj, stride_sp,
                                stride_sj, ROPE_DIM, INTERLEAVED, SCALE, INV_SCALE, DIVIDE, SPLIT_ROTATION, QUANT_BLOCK,
                                FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE, CUDA_ISA, BLOCK_M,
                                ONE_TOKEN_A_TILE)
