@@ -295,10 +295,11 @@ def test_topk_indices_replays_in_cuda_graph_with_new_lengths(rows, width):
 
 
 @pytest.mark.parametrize("mode", ["split", "round"])
-@pytest.mark.parametrize("rows", [1, 64, 4096])
+@pytest.mark.parametrize("rows", [1, 64, 1000, 4096, 8191])
 def test_head_gate_gemm_deepseek_v32_size(rows, mode):
     """weights_proj of DeepSeek-V3.2: x [M, 7168] bf16, W [64, 7168] fp32, 4 splits (the pass's choice for K=7168).
-    Partials against the torch reference on this GPU, their sum against the float64 model; every element written."""
+    Partials against the torch reference on this GPU, their sum against the float64 model; every element written
+    (each size's tiles: decode's, prefill's 32- and 128-row ones with a last partial tile)."""
     from nsa_inductor.lowering.head_gate_gemm import reference
 
     _, round_weight = WEIGHT_MODES[mode]
