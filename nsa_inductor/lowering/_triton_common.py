@@ -514,7 +514,7 @@ def rope_rows(x, row_ptr, ok, token, token_ok, pos_ptr, n_positions, cos_ptr, si
     return tl.where(lane[None, :], round_to_bf16(turned), x)
 
 
-ROTATION_PLANE = tl.constexpr(128 * 128)  # elements of one bf16 plane of a split rotation (`rotate_rows`' SPLIT 2)
+ROTATION_PLANE = tl.constexpr(128 * 128)  # elements of a bf16 plane of a split rotation (`rotate_rows`' SPLIT 2, 3)
 
 
 @triton.jit
@@ -537,7 +537,7 @@ def rotate_rows(x, rot_ptr, stride_rk, stride_rn, SPLIT: tl.constexpr, BLOCK: tl
     plane = d[:, None] * 128 + d[None, :]
     if SPLIT >= 2:
         tl.static_assert(BLOCK >= 16)
-        if SPLIT == 3:  # (GPUs fuse the hi dot's sum with the fixed lo one: the lo dot first makes that the order)
+        if SPLIT == 3:  # the lo dot first, the hi one summed onto it (Triton fuses their sum so on GPUs anyway)
             acc = dot_bf16(acc, x, tl.load(rot_ptr + ROTATION_PLANE + plane))
             acc = tl.where(acc != acc, 0.0, acc)  # an inf in x times lo's zeros is NaN where eager's product is inf
         return dot_bf16(acc, x, tl.load(rot_ptr + plane)) + 0.0  # (+0.0: -0 -> +0 as in a GEMM's sum)

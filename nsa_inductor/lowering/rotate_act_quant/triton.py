@@ -87,8 +87,8 @@ def _rotate_act_quant_kernel(x_ptr, rot_ptr, values_ptr, scales_ptr, rows, strid
 
 @triton.jit
 def _split_rotation_kernel(rot_ptr, stride_rk, stride_rn, planes_ptr, PDL: tl.constexpr = False):
-    """fp32 ``R`` as ``rotate_rows``' SPLIT 2 reads it: bf16 ``hi`` and ``lo`` planes (:func:`split_bf16`), then a
-    flag, 1 where any ``lo`` is nonzero."""
+    """fp32 ``R`` as ``rotate_rows``' SPLIT 2 and 3 read it: bf16 ``hi`` and ``lo`` planes (:func:`split_bf16`), then
+    a flag, 1 where any ``lo`` is nonzero."""
     wait_for_previous_grid(PDL)
     d = tl.arange(0, 128)
     hi, lo = split_bf16(tl.load(rot_ptr + d[:, None] * stride_rk + d[None, :] * stride_rn))
