@@ -990,11 +990,14 @@ def test_rotate_act_quant_any_fp32_matrix_within_contract(block_m):
 @child_only
 @pytest.mark.parametrize("matrix", ["hadamard32", "hadamard_t_view", "random", "random_t_view", "one_lo"])
 @pytest.mark.parametrize("rows, block_m", [(16, 16), (37, 16), (64, 32)])
-def test_rotate_act_quant_rotation_split_once_gives_the_same_bytes(matrix, rows, block_m):
+def test_rotate_act_quant_rotation_split_once_gives_the_same_bytes(matrix, rows, block_m, monkeypatch):
     """An fp32 rotation split once before the launch (prefill's path) gives the bytes of the split in every program:
     the same bf16 planes (a +-1 Hadamard: no lo plane read; a random matrix, or one with a single nonzero lo: both
-    dots), NaN and inf rows included; the reference's bytes where the sums are exact (a Hadamard)."""
+    dots, in the launch whose programs loop over the tiles, here two programs for up to four tiles), NaN and inf rows
+    included; the reference's bytes where the sums are exact (a Hadamard)."""
     from nsa_inductor.lowering.rotate_act_quant import reference
+
+    monkeypatch.setattr(_kernels("rotate_act_quant"), "LO_PLANE_PROGRAMS", 2)
 
     gen = torch.Generator().manual_seed(rows)
     if matrix.startswith("random"):
