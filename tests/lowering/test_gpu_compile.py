@@ -2,7 +2,8 @@
 gfx942 (MI300, fp8 e4m3fnuz, the ROCm layout). Each launcher is called at the indexer's sizes with its launches
 recorded instead of run; every distinct specialisation is then compiled ahead of time (``triton.compile`` down to
 a cubin / hsaco). The interpreter tests check the kernels' results but not what only a GPU compiler rejects:
-layouts, dot shapes, types a target lacks. Not a run on either GPU: gfx942 has only been compiled for."""
+layouts, dot shapes, types a target lacks, more shared memory than a program may hold (a kernel that then fails to
+load). Not a run on either GPU: gfx942 has only been compiled for."""
 
 from __future__ import annotations
 
