@@ -478,7 +478,8 @@ def test_topk_rows_held_as_vectors_only_where_whole_vector_loads_are_provable(pa
 
 @child_only
 @pytest.mark.parametrize("path,sizes,sorted_", [("bisect", {}, False), ("bisect", {}, True),
-                                                ("radix_split", {"segment": 32}, False), ("radix_row", {"chunk": 32}, False)])
+                                                ("radix_split", {"segment": 32}, False),
+                                                ("radix_row", {"chunk": 32}, False)])
 @pytest.mark.parametrize("kind", ["ties", "tail", "randn"])
 def test_topk_scan_runs_thread_by_thread(path, sizes, sorted_, kind):
     """Where a thread holds several of a block's vectors of 4 columns (`_vector_positions`), the writes' prefix sum

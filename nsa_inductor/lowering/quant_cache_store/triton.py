@@ -119,7 +119,7 @@ def _quant_store_kernel(
                 same = ((token_slot[None, :] == slot[:, None]) & (token[None, :] > t[:, None])
                         & (token < num_tokens)[None, :])
                 overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
-    keep = (slot >= 0) & (slot < num_slots) & (overwritten == 0)
+    keep = writable & (overwritten == 0)
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
     tl.store(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE), y,
