@@ -100,6 +100,10 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
                   rope))
     calls.append(("rotate_act_quant", (x, rotation, 128**-0.5, False, 128, "ue8m0", fp8, float(torch.finfo(fp8).max)),
                   {}))  # (without the RoPE's gathers the lo plane's loop pipelines its loads)
+    calls.append(("quant_cache_store", (torch.zeros(tokens, 128), cache, torch.arange(tokens), page, preshuffle, "ue8m0",
+                                        fp8, 128**-0.5, torch.bfloat16, False, rotation),
+                  {**rope, "rope_interleaved": True, "round_k": True, "ln_weight": torch.ones(128),
+                   "ln_bias": torch.zeros(128), "ln_eps": 1e-6}))  # prefill's k: tiles of 16, slots by tags
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     calls.append(("gather_k", (cache, torch.arange(pages, dtype=torch.int32)[None], cu, page, preshuffle, tokens, fp8),
                   {}))

@@ -677,9 +677,11 @@ def _bad_ids(limit: int, count: int, gen) -> torch.Tensor:
     return ids[torch.randperm(ids.numel(), generator=gen)]
 
 
+@pytest.mark.parametrize("tagged", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_quant_cache_store_writes_only_inside_the_cache(layout):
-    """docs/indices.md on the device: out-of-range slots write nothing, the bytes around the cache stay as they were."""
+def test_quant_cache_store_writes_only_inside_the_cache(layout, tagged):
+    """docs/indices.md on the device: out-of-range slots write nothing, the bytes around the cache stay as they were
+    (the last tokens found by the scan or by tags)."""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     page_size, preshuffle = layout
@@ -691,7 +693,7 @@ def test_quant_cache_store_writes_only_inside_the_cache(layout):
     cache = Guarded((num_pages, page_size * 132), torch.uint8, gen, device=DEV)
     want = cache.view.clone()
     reference.quant_cache_store(k, want, slots, page_size, preshuffle, "ue8m0", FN)
-    _tk("quant_cache_store").quant_cache_store(k, cache.view, slots, page_size, preshuffle, "ue8m0", FN)
+    _tk("quant_cache_store").quant_cache_store(k, cache.view, slots, page_size, preshuffle, "ue8m0", FN, tagged=tagged)
     torch.cuda.synchronize()
     cache.assert_guards_intact()
     assert torch.equal(cache.view, want)
@@ -764,10 +766,12 @@ def test_gather_k_slots_exact_and_inside_the_cache(layout, dtype, by_sequence):
     assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
 
 
+@pytest.mark.parametrize("tagged", [False, True])
 @pytest.mark.parametrize("dtype", _native_fp8_types())
-def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
-    """Many tokens per slot (the last one's values and scale land), rows with NaN and +-inf (NaN stays NaN, as the
-    type's NaN code), -0.0 values (the sign kept: their bytes compared, not their values)."""
+def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype, tagged):
+    """Many tokens per slot (the last one's values and scale land, found by the scan or by tags), rows with NaN and
+    +-inf (NaN stays NaN, as the type's NaN code), -0.0 values (the sign kept: their bytes compared, not their
+    values)."""
     from nsa_inductor.layout import KCacheLayout
     from nsa_inductor.lowering.quant_cache_store import reference
 
@@ -780,7 +784,7 @@ def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
     cache = torch.zeros(300 // 64 + 1, 64 * 132, dtype=torch.uint8, device=DEV)
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, 64, False, "ue8m0", dtype)
-    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, "ue8m0", dtype)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, "ue8m0", dtype, tagged=tagged)
     layout, every = KCacheLayout(64), torch.arange(300, device=DEV)
     (got_v, got_s), (want_v, want_s) = layout.load(cache, every, dtype), layout.load(want, every, dtype)
     torch.testing.assert_close(got_s, want_s, equal_nan=True, rtol=0, atol=0)
@@ -791,12 +795,14 @@ def test_quant_cache_store_duplicates_and_nan_as_the_reference(dtype):
     assert (want_v.view(torch.uint8) == 0x80).any() or dtype != torch.float8_e4m3fn  # -0.0 stored as -0
 
 
+@pytest.mark.parametrize("tagged", [False, True])
 @pytest.mark.parametrize("block_t", [4, 16])
-def test_quant_cache_store_prefill_slots_with_late_duplicates(block_t):
+def test_quant_cache_store_prefill_slots_with_late_duplicates(block_t, tagged):
     """A prefill's increasing slots over 8192 tokens (the scan skips the blocks that cannot hold a duplicate) with a
     few tokens repeating a slot of a much earlier one: the earliest programs scan the most of the mapping and tend to
     finish last, so a duplicate the scan missed would likely let the earlier token's bytes land last. Tiles of 4 (no
-    rotation) and 16 (the rotation's prefill tiles)."""
+    rotation) and 16 (the rotation's prefill tiles); the last tokens found by the scan and by tags (the default from
+    ``TAGGED_MIN_TOKENS``)."""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(17)
@@ -810,7 +816,8 @@ def test_quant_cache_store_prefill_slots_with_late_duplicates(block_t):
     cache = torch.randint(0, 256, (tokens // 64 + 2, 64 * 132), dtype=torch.uint8, generator=gen).to(DEV)
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, 64, False, "ue8m0", FN)
-    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, "ue8m0", FN, block_t=block_t)
+    _tk("quant_cache_store").quant_cache_store(k, cache, slots, 64, False, "ue8m0", FN, block_t=block_t,
+                                               tagged=tagged)
     assert torch.equal(cache, want)
 
 

@@ -81,10 +81,11 @@ def test_quant_cache_store_bytes_match_reference(layout, scale_fmt, dtype):
 @child_only
 @HYP
 @given(slots=st.lists(st.one_of(bad_ids(32), st.integers(0, 3)), min_size=1, max_size=8),
-       layout=st.sampled_from(LAYOUTS), int64=st.booleans(), seed=st.integers(0, 99))
-def test_quant_cache_store_writes_only_inside_the_cache(slots, layout, int64, seed):
+       layout=st.sampled_from(LAYOUTS), int64=st.booleans(), seed=st.integers(0, 99), tagged=st.booleans())
+def test_quant_cache_store_writes_only_inside_the_cache(slots, layout, int64, seed, tagged):
     """Slots outside [0, 32) (one past the end, 10**9, int32 extremes) write nothing, duplicates leave the last
-    token's values and scale: cache bytes as the reference writes them, the bytes around the cache unchanged."""
+    token's values and scale: cache bytes as the reference writes them, the bytes around the cache unchanged; the
+    last tokens found by the scan and by tags (which write nothing outside the slots written either)."""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     page_size, preshuffle = layout
@@ -94,17 +95,20 @@ def test_quant_cache_store_writes_only_inside_the_cache(slots, layout, int64, se
     cache = Guarded((32 // page_size, page_size * 132), torch.uint8, gen)
     want = cache.view.clone()
     reference.quant_cache_store(k, want, slot_mapping, page_size, preshuffle, "ue8m0", FN)
-    _kernels("quant_cache_store").quant_cache_store(k, cache.view, slot_mapping, page_size, preshuffle, "ue8m0", FN)
+    _kernels("quant_cache_store").quant_cache_store(k, cache.view, slot_mapping, page_size, preshuffle, "ue8m0", FN,
+                                                    tagged=tagged)
     cache.assert_guards_intact()
     assert torch.equal(cache.view, want)
 
 
 @child_only
-def test_quant_cache_store_duplicates_across_programs_and_scan_blocks():
+@pytest.mark.parametrize("tagged", [False, True])
+def test_quant_cache_store_duplicates_across_programs_and_scan_blocks(tagged):
     """300 tokens on 40 slots: a token's later duplicates sit in its own program, in others and past the
     kernel's first 128-slot scan block; each slot holds the last token's values and scale, as the reference writes
-    it. (The interpreter runs programs in order, so it shows a wrong token chosen, not a missing skip: the GPU twin
-    in test_kernels_gpu.py shows that.)"""
+    it, found by the scan or by tags (over garbage scale words, negative ones among them). (The interpreter runs
+    programs in order, so it shows a wrong token chosen, not a missing skip: the GPU twin in test_kernels_gpu.py
+    shows that.)"""
     from nsa_inductor.lowering.quant_cache_store import reference
 
     gen = torch.Generator().manual_seed(3)
@@ -115,13 +119,13 @@ def test_quant_cache_store_duplicates_across_programs_and_scan_blocks():
     cache = torch.randint(0, 256, (3, 16 * 132), dtype=torch.uint8, generator=gen)
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, 16, False, "ue8m0", FN)
-    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN, tagged=tagged)
     assert torch.equal(cache, want)
 
 
 @child_only
-@pytest.mark.parametrize("block_t", [4, 64])
-def test_quant_cache_store_duplicates_past_skipped_scan_blocks(block_t):
+@pytest.mark.parametrize("block_t, tagged", [(4, False), (64, False), (64, True)])
+def test_quant_cache_store_duplicates_past_skipped_scan_blocks(block_t, tagged):
     """A prefill's slot mapping (increasing, padding -1 among it) over 2300 tokens, more than two of the kernel's
     1024-slot scan blocks: most blocks hold no slot between a program's lowest and highest and are skipped, and the
     few later duplicates (in the next block, two blocks on, in the same program) still win their slots. (Programs
@@ -139,7 +143,8 @@ def test_quant_cache_store_duplicates_past_skipped_scan_blocks(block_t):
     cache = torch.randint(0, 256, (tokens // 16 + 1, 16 * 132), dtype=torch.uint8, generator=gen)
     want = cache.clone()
     reference.quant_cache_store(k, want, slots, 16, False, "ue8m0", FN)
-    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN, block_t=block_t)
+    _kernels("quant_cache_store").quant_cache_store(k, cache, slots, 16, False, "ue8m0", FN, block_t=block_t,
+                                                    tagged=tagged)
     assert torch.equal(cache, want)
 
 

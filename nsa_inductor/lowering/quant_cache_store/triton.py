@@ -22,6 +22,7 @@ def _quant_store_kernel(
     slot_ptr,
     values_ptr,
     scales_ptr,
+    tags_ptr,
     num_tokens,
     num_slots,
     rot_ptr,
@@ -63,6 +64,7 @@ def _quant_store_kernel(
     BLOCK_T: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,
     COMPARE_BLOCK: tl.constexpr,
+    TAGGED: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """act_quant of BLOCK_T rows of ``k * SCALE`` (``/`` with ``DIVIDE``: ``scale_rows``; ``k @ R`` first with
@@ -75,7 +77,8 @@ def _quant_store_kernel(
     later tokens by scanning the slot mapping past its first row, SCAN_BLOCK slots at a time (8 bytes a token: a few
     KB in decode, read from L2 by every program), and compares its rows with a block's slots, COMPARE_BLOCK at a
     time, only where some slot of the block lies between its rows' lowest and highest: a prefill's increasing slots
-    cost one load and two compares a slot, not BLOCK_T compares."""
+    cost one load and two compares a slot, not BLOCK_T compares. That scan grows with the square of the tokens;
+    ``TAGGED`` (``_slot_tag_kernel`` ran first) reads each slot's last token from its scale word instead."""
     wait_for_previous_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
@@ -106,26 +109,60 @@ def _quant_store_kernel(
     y, scale = quantize_rows(x, values_ptr.dtype.element_ty, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE,
                              CUDA_ISA)
     writable = in_range & (slot >= 0) & (slot < num_slots)  # (the only rows that can be kept)
-    lowest = tl.min(tl.where(writable, slot, num_slots), axis=0)
-    highest = tl.max(tl.where(writable, slot, -1), axis=0)
-    overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
-        later = first + tl.arange(0, SCAN_BLOCK)
-        later_slot = tl.load(slot_ptr + later, mask=later < num_tokens, other=-1).to(tl.int64)
-        if tl.max(((later_slot >= lowest) & (later_slot <= highest)).to(tl.int32), axis=0) > 0:
-            for part in range(first, tl.minimum(first + SCAN_BLOCK, num_tokens), COMPARE_BLOCK):
-                token = part + tl.arange(0, COMPARE_BLOCK)
-                token_slot = tl.load(slot_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
-                same = ((token_slot[None, :] == slot[:, None]) & (token[None, :] > t[:, None])
-                        & (token < num_tokens)[None, :])
-                overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
-    keep = writable & (overwritten == 0)
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
+    overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
+    if TAGGED:  # (only a slot's last token writes its word: another token reads its tag or the scale's bits)
+        tag = tl.load(tags_ptr + scale_offsets(page, pos, PAGE_SIZE), mask=writable, other=0)
+        overwritten = (tag != _token_tag(t)).to(tl.int32)
+    else:
+        lowest = tl.min(tl.where(writable, slot, num_slots), axis=0)
+        highest = tl.max(tl.where(writable, slot, -1), axis=0)
+        for first in range(tl.program_id(0) * BLOCK_T + 1, num_tokens, SCAN_BLOCK):
+            later = first + tl.arange(0, SCAN_BLOCK)
+            later_slot = tl.load(slot_ptr + later, mask=later < num_tokens, other=-1).to(tl.int64)
+            if tl.max(((later_slot >= lowest) & (later_slot <= highest)).to(tl.int32), axis=0) > 0:
+                for part in range(first, tl.minimum(first + SCAN_BLOCK, num_tokens), COMPARE_BLOCK):
+                    token = part + tl.arange(0, COMPARE_BLOCK)
+                    token_slot = tl.load(slot_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+                    same = ((token_slot[None, :] == slot[:, None]) & (token[None, :] > t[:, None])
+                            & (token < num_tokens)[None, :])
+                    overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
+    keep = writable & (overwritten == 0)
     tl.store(values_ptr + value_offsets(page[:, None], pos[:, None], d[None, :], PAGE_SIZE, PRESHUFFLE), y,
              mask=keep[:, None])
     tl.store(scales_ptr + scale_offsets(page, pos, PAGE_SIZE), scale, mask=keep)
 
+
+@triton.jit
+def _token_tag(t):
+    """Token t's tag in a scale word: negative, so no scale's bits (a positive float, or NaN as GPUs and numpy make
+    it) equal one, and the smallest is the last token's."""
+    return -2 - t
+
+
+@triton.jit
+def _slot_tag_kernel(slot_ptr, tags_ptr, num_tokens, num_slots, PAGE_SIZE: tl.constexpr, CLAIM: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """The scale word of each writable slot, which the store overwrites: 0 (``CLAIM`` False), then (a second launch)
+    the smallest tag of the tokens writing the slot, its last token's (``_token_tag``; an atomic min, so the same
+    word whatever order the tokens come in)."""
+    wait_for_previous_grid(PDL)
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    writable = (t < num_tokens) & (slot >= 0) & (slot < num_slots)
+    tag = tags_ptr + scale_offsets(slot // PAGE_SIZE, slot % PAGE_SIZE, PAGE_SIZE)
+    if CLAIM:
+        tl.atomic_min(tag, _token_tag(t), mask=writable)
+    else:
+        tl.store(tag, tl.zeros([BLOCK], tl.int32), mask=writable)
+
+
+# From this many tokens the store finds each slot's last token by tags (two small launches first, ~3 µs) instead
+# of every program scanning the later tokens' slots (a cost that grows with the square of the tokens: BENCHMARKS.md
+# "The K store's duplicate slots by tags").
+TAGGED_MIN_TOKENS = 2048
+TAG_BLOCK = 128
 
 _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -139,20 +176,28 @@ def block_tokens(num_tokens: int, rotate: bool) -> int:
 def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, fp8_dtype, input_scale=1.0,
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
                       rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                      k_split_sum=False, block_t: int | None = None):
+                      k_split_sum=False, block_t: int | None = None, tagged: bool | None = None):
     """One launch: quantize ``k [T,128]`` (``[S, T, 128]`` split-K partials with ``k_split_sum``; after the RoPE and
     rotation prologues and the input epilogue) and store it into ``cache`` at ``slot_mapping``; a slot outside ``[0,
     num_slots)`` (negative = padding) writes nothing, and of tokens sharing a slot only the last writes it (both
-    decided inside the kernel)."""
+    decided inside the kernel; from ``TAGGED_MIN_TOKENS`` tokens, or with ``tagged``, by two launches before it that
+    mark each slot's last token in the scale word it will write)."""
     num_tokens = k.shape[-2]
     if num_tokens == 0:
         return
+    num_slots = cache.shape[0] * page_size
+    tags = cache.view(torch.int32)
+    tagged = num_tokens >= TAGGED_MIN_TOKENS if tagged is None else tagged
+    if tagged:
+        for claim in (False, True):
+            launch(_slot_tag_kernel, (cdiv(num_tokens, TAG_BLOCK),), slot_mapping, tags, num_tokens, num_slots,
+                   PAGE_SIZE=page_size, CLAIM=claim, BLOCK=TAG_BLOCK, num_warps=4)
     block_t = block_t or block_tokens(num_tokens, rotation is not None)
     rot = k if rotation is None else rotation  # any pointer: not read without a rotation
     layer_norm = ln_weight is not None
     ln_weight, ln_bias = (k, k) if ln_weight is None else (ln_weight, ln_bias)  # any pointers: not read without LN
     launch(_quant_store_kernel, (cdiv(num_tokens, block_t),), k, k.stride(-2), slot_mapping, cache.view(fp8_dtype),
-           cache.view(torch.float32), num_tokens, cache.shape[0] * page_size, rot,
+           cache.view(torch.float32), tags, num_tokens, num_slots, rot,
            *(rot.stride() if rotation is not None else (0, 0)),
            *rope_arguments(k, num_tokens, rope_cos, rope_sin, positions), ln_weight, ln_bias, float(ln_eps),
            k.stride(0), SPLITS=k.shape[0] if k_split_sum else 0,
@@ -161,5 +206,5 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
            SPLIT_ROTATION=rotation is not None and rotation.dtype == torch.float32,
            **scale_constants(input_scale, input_divide), ROUND_TO=_ROUND_TO[input_dtype], PAGE_SIZE=page_size,
            PRESHUFFLE=preshuffle, **quantize_constants(fp8_dtype, None, scale_fmt),
-           CUDA_ISA=cuda_isa(_quant_store_kernel), BLOCK_T=block_t, SCAN_BLOCK=1024, COMPARE_BLOCK=128,
+           CUDA_ISA=cuda_isa(_quant_store_kernel), BLOCK_T=block_t, SCAN_BLOCK=1024, COMPARE_BLOCK=128, TAGGED=tagged,
            num_warps=4)
