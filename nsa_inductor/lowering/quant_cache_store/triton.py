@@ -16,6 +16,13 @@ from .._triton_common import (cdiv, cuda_isa, launch, layer_norm_rows, load_spli
 
 
 @triton.jit
+def _token_slots(slot_ptr, t, num_tokens, num_slots):
+    """Tokens ``t``'s slots (-1 past the tokens) and which of them the store may write: inside ``[0, num_slots)``."""
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    return slot, (slot >= 0) & (slot < num_slots)
+
+
+@triton.jit
 def _quant_store_kernel(
     k_ptr,
     stride_k,
@@ -83,7 +90,7 @@ def _quant_store_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 128)
     in_range = t < num_tokens
-    slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
+    slot, writable = _token_slots(slot_ptr, t, num_tokens, num_slots)
     # rows past the last token load 1.0, not 0: tiles with rows of zeros were slower to quantize (BENCHMARKS.md)
     x = load_split_sum(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], in_range[:, None], 1.0, split_stride,
                        SPLITS)
@@ -108,7 +115,6 @@ def _quant_store_kernel(
         x = x.to(tl.float16).to(tl.float32)
     y, scale = quantize_rows(x, values_ptr.dtype.element_ty, FMAX, INV_FMAX, UE8M0, MIN_EXP, SIGNED_ZERO, NAN_CODE,
                              CUDA_ISA)
-    writable = in_range & (slot >= 0) & (slot < num_slots)  # (the only rows that can be kept)
     page = slot // PAGE_SIZE
     pos = slot % PAGE_SIZE
     overwritten = tl.zeros([BLOCK_T], dtype=tl.int32)
@@ -149,8 +155,7 @@ def _slot_tag_kernel(slot_ptr, tags_ptr, num_tokens, num_slots, PAGE_SIZE: tl.co
     word whatever order the tokens come in)."""
     wait_for_previous_grid(PDL)
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
-    writable = (t < num_tokens) & (slot >= 0) & (slot < num_slots)
+    slot, writable = _token_slots(slot_ptr, t, num_tokens, num_slots)
     tag = tags_ptr + scale_offsets(slot // PAGE_SIZE, slot % PAGE_SIZE, PAGE_SIZE)
     if CLAIM:
         tl.atomic_min(tag, _token_tag(t), mask=writable)
@@ -177,9 +182,9 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
                       input_dtype=None, input_divide=False, rotation=None, rope_cos=None, rope_sin=None, positions=None,
                       rope_interleaved=False, round_k=False, ln_weight=None, ln_bias=None, ln_eps=0.0,
                       k_split_sum=False, block_t: int | None = None, tagged: bool | None = None):
-    """One launch: quantize ``k [T,128]`` (``[S, T, 128]`` split-K partials with ``k_split_sum``; after the RoPE and
-    rotation prologues and the input epilogue) and store it into ``cache`` at ``slot_mapping``; a slot outside ``[0,
-    num_slots)`` (negative = padding) writes nothing, and of tokens sharing a slot only the last writes it (both
+    """Quantize ``k [T,128]`` (``[S, T, 128]`` split-K partials with ``k_split_sum``; after the RoPE and rotation
+    prologues and the input epilogue) and store it into ``cache`` at ``slot_mapping``, in one launch; a slot outside
+    ``[0, num_slots)`` (negative = padding) writes nothing, and of tokens sharing a slot only the last writes it (both
     decided inside the kernel; from ``TAGGED_MIN_TOKENS`` tokens, or with ``tagged``, by two launches before it that
     mark each slot's last token in the scale word it will write)."""
     num_tokens = k.shape[-2]
