@@ -166,7 +166,7 @@ def _slot_tag_kernel(slot_ptr, tags_ptr, num_tokens, num_slots, PAGE_SIZE: tl.co
 # From this many tokens the store finds each slot's last token by tags (two small launches first, ~3 µs) instead
 # of every program scanning the later tokens' slots (a cost that grows with the square of the tokens: BENCHMARKS.md
 # "The K store's duplicate slots by tags").
-TAGGED_MIN_TOKENS = 2048
+TAGGED_MIN_TOKENS = 512
 TAG_BLOCK = 128
 
 _ROUND_TO = {None: "", torch.bfloat16: "bf16", torch.float16: "fp16"}
