@@ -486,11 +486,17 @@ def _rotation_rows(rows: int, gen) -> torch.Tensor:
     return torch.cat([varied.bfloat16(), integer_rows(63, gen), negative_zeros]).to(DEV)
 
 
-@pytest.mark.parametrize("rows", [1, 64, 512, 4096, 16384])
+# docs/numerics.md, fused rotation: a general matrix's 2^-17 truncation is relative to the products summed, so a sum
+# near 0 in a row of large values may move by more than a step of the grid there (measured: 2 subnormal steps)
+GENERAL_ROTATION_ERROR_BELOW_ONE = 2.0**-6
+
+
+@pytest.mark.parametrize("rows", [1, 64, 512, 4096, 16384, 32768])
 @pytest.mark.parametrize("matrix", ["hadamard", "hadamard_bf16", "random_fp32"])
 @pytest.mark.parametrize("dtype", _native_fp8_types())
 def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
-    """DeepSeek decode sizes (B x 64 heads rows) and a prefill's (the fp32 rotation split once before the launch):
+    """DeepSeek decode sizes (B x 64 heads rows) and a prefill's (from ``PRESPLIT_MIN_ROWS`` rows the fp32 rotation
+    is split once before the launch):
     within the rotation contract of the reference on the same GPU (a cuBLAS fp32 GEMM); rows with exact sums
     bit-identical; outputs fully written."""
     gen = torch.Generator().manual_seed(rows)
@@ -502,7 +508,8 @@ def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
     got = _tk("rotate_act_quant").rotate_act_quant(x, *args)
     want = _op_ref("rotate_act_quant").rotate_act_quant(x, *args)
     loose = matrix == "random_fp32"
-    assert_fp8_close(got, want, values_frac=1e-2 if loose else 1e-4, scales_frac=2e-2 if loose else 1e-3)
+    assert_fp8_close(got, want, values_frac=1e-2 if loose else 1e-4, scales_frac=2e-2 if loose else 1e-3,
+                     error_below_one=GENERAL_ROTATION_ERROR_BELOW_ONE if loose else None)
     if not loose:
         exact = slice(rows, None)
         assert torch.equal(got[0][exact].view(torch.uint8), want[0][exact].view(torch.uint8))

@@ -298,14 +298,20 @@ def test_gather_k_slots_reads_only_inside_the_cache(ids, seq, pages, by_sequence
     assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
 
 
+# (chunk, block_n) of the paged logits' tests: chunks of 2 and of 8 blocks, blocks of 16 and of 32 keys (over the
+# pages of LAYOUTS, of 1, 16 and 32 keys: a block within one page or over several)
+PAGED_TILES = [(32, 16), (128, 16), (256, 32)]
+
+
 @child_only
 @HYP
 @given(pages=st.lists(bad_ids(3), min_size=4, max_size=4), ctx=st.lists(st.integers(0, 70), min_size=2, max_size=2),
-       layout=st.sampled_from(LAYOUTS), with_factor=st.booleans(), seed=st.integers(0, 99))
-def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, with_factor, seed):
+       layout=st.sampled_from(LAYOUTS), with_factor=st.booleans(), seed=st.integers(0, 99),
+       tiles=st.sampled_from(PAGED_TILES))
+def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, with_factor, seed, tiles):
     """Block-table entries outside [-3, 3) are -inf keys (negative ids in range wrap), contexts past the table:
     logits as the reference gives them, nothing read or written outside the cache and the output; the weights
-    given as two factors and a number, or as one tensor."""
+    given as two factors and a number, or as one tensor; tiles of ``PAGED_TILES``."""
     from nsa_inductor.lowering.paged_mqa_logits import reference
 
     page_size, preshuffle = layout
@@ -320,7 +326,7 @@ def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, with_f
         args = (*args[:2], torch.randn(3, 2, 16, generator=gen), *args[3:], torch.rand(2, 16, generator=gen), 0.0884)
     out = Guarded((2, max_len), torch.float32, gen)
     got = _kernels("paged_mqa_logits").paged_mqa_logits(*args, out=out.view, config=_kernels(
-        "paged_mqa_logits").PagedConfig(chunk=32, block_n=16))
+        "paged_mqa_logits").PagedConfig(*tiles))
     cache.assert_guards_intact()
     out.assert_guards_intact()
     assert_logits_close(got, reference.paged_mqa_logits(*args), rtol=1e-5)
@@ -329,7 +335,8 @@ def test_paged_mqa_logits_reads_only_inside_the_cache(pages, ctx, layout, with_f
 @child_only
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("next_n, heads", [(1, 32), (2, 16), (2, 24)])
-def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
+@pytest.mark.parametrize("tiles", PAGED_TILES)
+def test_paged_mqa_logits_matches_float64(layout, next_n, heads, tiles):
     tk = _kernels("paged_mqa_logits")
     page_size, preshuffle = layout
     gen = torch.Generator().manual_seed(2)
@@ -340,7 +347,7 @@ def test_paged_mqa_logits_matches_float64(layout, next_n, heads):
     weights = torch.randn(len(ctx) * next_n, heads, generator=gen)
     args = (q, cache, weights, torch.tensor(ctx, dtype=torch.int32), block_table, max_len, page_size, preshuffle)
     out = torch.full((len(ctx) * next_n, max_len), float("nan"))
-    got = tk.paged_mqa_logits(*args, out=out, config=tk.PagedConfig(chunk=32, block_n=16))
+    got = tk.paged_mqa_logits(*args, out=out, config=tk.PagedConfig(*tiles))
     assert_logits_close(got, paged_logits64(*args), rtol=1e-5)
 
 
