@@ -484,10 +484,13 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     else:
         # A whole row's keys: the bracket starts as all keys above -inf. The first trial is where a normal
         # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it with
-        # that distribution's density; then regula falsi (an end that stays twice weighs half: the Illinois rule),
-        # halving after INTERPOLATION_STEPS. A trial that found no key between itself and the end it moved (ties, or
-        # values far apart) makes the next count also find the row's keys next to its trial, moving the bracket's
-        # end onto them, so that a tied take-th key closes in a trial from each side; the other counts only count.
+        # that distribution's density; then, while an end of the bracket is still the row's, a secant through the last
+        # two trials' values and counts (aimed half a count past take), else regula falsi on the ends' values (an end
+        # that stays twice weighs half: the Illinois rule), halving after INTERPOLATION_STEPS. Values, not keys: a
+        # key's step in value doubles at every power of two. A trial that found no key between itself and the end it
+        # moved (ties, or values far apart) makes the next count also find the row's keys next to its trial, moving
+        # the bracket's end onto them, so that a tied take-th key closes in a trial from each side; the other counts
+        # only count.
         lo = tl.where(searching, KEY_NEG_INF + 1, settled).to(tl.int64) & 0xFFFFFFFF
         hi = tl.full((), 1 << 32, tl.int64)
         at_bound = tl.where(searching, n_finite, n_valid)
@@ -502,13 +505,27 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         excess_hi = (above_bound - take).to(tl.float32)
         kept = tl.zeros((), tl.int32)  # which end the last trial moved: 1 lo, -1 hi
         snap = tl.zeros((), tl.int1)
+        last_value = guess  # the last two trials' values and counts, for the secant
+        last_count = at_bound
+        prev_value = tl.zeros((), tl.float32)  # (not last's: compiled, a loop carries only the names whose value its
+        prev_count = tl.zeros((), tl.int32)  # body changes as Triton first reads it; `prev = last` would not change)
         step = 0
         while go:
             if step < 2:
                 trial = _order_key(guess).to(tl.int64) & 0xFFFFFFFF
             elif step < INTERPOLATION_STEPS + 2:
                 share = tl.fdiv(excess_lo, excess_lo - excess_hi, ieee_rounding=False)
-                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
+                if (hi == 1 << 32) | (lo == KEY_NEG_INF + 1):  # an end is the row's: by keys if the secant is flat
+                    trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
+                    if last_count != prev_count:
+                        aim = take.to(tl.float32) + tl.where(last_count >= take, -0.5, 0.5)
+                        value = last_value + (aim - last_count.to(tl.float32)) * tl.fdiv(
+                            last_value - prev_value, (last_count - prev_count).to(tl.float32), ieee_rounding=False)
+                        trial = _order_key(value).to(tl.int64) & 0xFFFFFFFF
+                else:
+                    low_value = _key_value(lo.to(tl.uint32))
+                    value = low_value + (_key_value(hi.to(tl.uint32)) - low_value) * share
+                    trial = _order_key(value).to(tl.int64) & 0xFFFFFFFF
             else:
                 trial = lo + ((hi - lo) >> 1)
             trial = tl.minimum(tl.maximum(trial, lo + 1), hi - 1)
@@ -523,6 +540,10 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
                 new_lo = trial
                 new_hi = trial
             guess += ((count - take).to(tl.float32) + 0.5) / density  # (used by the second trial only)
+            prev_value = last_value
+            prev_count = last_count
+            last_value = _key_value(trial.to(tl.uint32))
+            last_count = count
             raised = count >= take
             snap = tl.where(raised, count == at_bound, count == above_bound)
             lo = tl.where(raised, new_lo, lo)
