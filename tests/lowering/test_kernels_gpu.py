@@ -496,9 +496,8 @@ GENERAL_ROTATION_ERROR_BELOW_ONE = 2.0**-6
 @pytest.mark.parametrize("dtype", _native_fp8_types())
 def test_rotate_act_quant_against_the_cublas_reference(rows, matrix, dtype):
     """DeepSeek decode sizes (B x 64 heads rows) and a prefill's (from ``PRESPLIT_MIN_ROWS`` rows the fp32 rotation
-    is split once before the launch):
-    within the rotation contract of the reference on the same GPU (a cuBLAS fp32 GEMM); rows with exact sums
-    bit-identical; outputs fully written."""
+    is split once before the launch): within the rotation contract of the reference on the same GPU (a cuBLAS fp32
+    GEMM); rows with exact sums bit-identical; outputs fully written."""
     gen = torch.Generator().manual_seed(rows)
     x = _rotation_rows(rows, gen)
     h = hadamard_matrix(128) if matrix != "random_fp32" else torch.randn(128, 128, generator=gen) / 11
