@@ -62,6 +62,8 @@ INTERPOLATION_STEPS = tl.constexpr(12)  # of the select's search (after a whole 
 # A whole row's search ends this many keys or fewer from the take-th at an end of its bracket by taking the keys off
 # that end one reduction each (`_peel_end`), where counting trial bounds closes in a key at a time.
 WHOLE_ROW_PEEL = tl.constexpr(2)
+# the whole-row search interpolates on values within about two powers of two (2^23 keys each), on keys beyond
+VALUE_SPAN_KEYS = tl.constexpr(1 << 24)
 # Vectors of a thread the writes' prefix sum (`_prefix_sum`) takes in turn before the next thread's: one scan across
 # the threads a group. Larger groups scan less, but spread a warp's stores over more memory sectors (a lane's next
 # entry is a group's worth of its columns on): best on an H100, the select's 2, the compactions' 4 (BENCHMARKS.md,
@@ -486,8 +488,9 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         # distribution of the row's mean and deviation puts the take-th value, the second a Newton step from it with
         # that distribution's density; then, while an end of the bracket is still the row's, a secant through the last
         # two trials' values and counts (aimed half a count past take), else regula falsi on the ends' values (an end
-        # that stays twice weighs half: the Illinois rule), halving after INTERPOLATION_STEPS. Values, not keys: a
-        # key's step in value doubles at every power of two. A trial that found no key between itself and the end it
+        # that stays twice weighs half: the Illinois rule), halving after INTERPOLATION_STEPS. Values, not keys (a
+        # key's step in value doubles at every power of two), where the values lie within VALUE_SPAN_KEYS keys of each
+        # other; keys beyond (rows over many powers of ten). A trial that found no key between itself and the end it
         # moved (ties, or values far apart) makes the next count also find the row's keys next to its trial, moving
         # the bracket's end onto them, so that a tied take-th key closes in a trial from each side; the other counts
         # only count.
@@ -515,14 +518,15 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
                 trial = _order_key(guess).to(tl.int64) & 0xFFFFFFFF
             elif step < INTERPOLATION_STEPS + 2:
                 share = tl.fdiv(excess_lo, excess_lo - excess_hi, ieee_rounding=False)
-                if (hi == 1 << 32) | (lo == KEY_NEG_INF + 1):  # an end is the row's: by keys if the secant is flat
-                    trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)
-                    if last_count != prev_count:
+                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)  # (by keys where values span too far)
+                if (hi == 1 << 32) | (lo == KEY_NEG_INF + 1):  # an end is the row's: the secant
+                    apart = tl.abs(_order_key(last_value).to(tl.int64) - _order_key(prev_value).to(tl.int64))
+                    if (last_count != prev_count) & (apart < VALUE_SPAN_KEYS):
                         aim = take.to(tl.float32) + tl.where(last_count >= take, -0.5, 0.5)
                         value = last_value + (aim - last_count.to(tl.float32)) * tl.fdiv(
                             last_value - prev_value, (last_count - prev_count).to(tl.float32), ieee_rounding=False)
                         trial = _order_key(value).to(tl.int64) & 0xFFFFFFFF
-                else:
+                elif hi - lo < VALUE_SPAN_KEYS:
                     low_value = _key_value(lo.to(tl.uint32))
                     value = low_value + (_key_value(hi.to(tl.uint32)) - low_value) * share
                     trial = _order_key(value).to(tl.int64) & 0xFFFFFFFF
