@@ -86,7 +86,7 @@ class HeadGateConfig:
 def _default_head_gate_config(rows: int) -> HeadGateConfig:
     """Decode has few rows: small tiles give the 1.8 MB weight read enough programs (it is latency-bound); up to 512
     rows 16 x 32 tiles, which beat one row's FMA tile, 32 x 16 and 64 x 16 with the weight read from HBM in a CUDA
-    graph (BENCHMARKS.md, head-gate GEMM alone, "The K store's duplicate slots by tags"). Prefill's rows take every
+    graph (BENCHMARKS.md, head-gate GEMM alone; "The head gate at 128-512 rows"). Prefill's rows take every
     column in a tile, so x is read once: 32-row tiles up to 2048 rows, then 128 (BENCHMARKS.md "The head gate's tiles
     at prefill")."""
     if rows <= 512:

@@ -518,7 +518,7 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
                 trial = _order_key(guess).to(tl.int64) & 0xFFFFFFFF
             elif step < INTERPOLATION_STEPS + 2:
                 share = tl.fdiv(excess_lo, excess_lo - excess_hi, ieee_rounding=False)
-                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)  # (by keys where values span too far)
+                trial = lo + ((hi - lo).to(tl.float32) * share).to(tl.int64)  # (keys: values too far apart, or flat)
                 if (hi == 1 << 32) | (lo == KEY_NEG_INF + 1):  # an end is the row's: the secant
                     apart = tl.abs(_order_key(last_value).to(tl.int64) - _order_key(prev_value).to(tl.int64))
                     if (last_count != prev_count) & (apart < VALUE_SPAN_KEYS):
