@@ -436,7 +436,6 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
     else:
         pos = tl.arange(0, BLOCK)
         u0 = _position_keys(src, cand_keys, pos, n_pos, GATHER)
-    cols0 = pos
     if ONE_BLOCK and GATHER:
         cols0 = _columns(cand_cols, pos, n_pos, GATHER)  # loaded with the keys, not after the search
 
@@ -583,55 +582,36 @@ def _select(src, cand_keys, cand_cols, n_pos, take, dst, keys_dst, col_base, shi
         above_from = tl.maximum(above_from, KEY_NEG_INF)
         tie_key = tl.where(bound == KEY_NEG_INF, 1, tie_key).to(tl.uint32)
         written = tl.minimum(take, n_finite)
-    if tie_key == 1:  # no tie to choose among (the common case: the take-th key is one column's): one count a column
-        _write_selected(src, cand_keys, cand_cols, cols0, u0, pos, n_pos, dst, keys_dst, col_base - shift_cols,
-                        above_from, tie_key, n_above, need, False, GATHER, WRITE_KEYS, BLOCK, ONE_BLOCK, VECTORS,
-                        THREADS)
-    else:
-        _write_selected(src, cand_keys, cand_cols, cols0, u0, pos, n_pos, dst, keys_dst, col_base - shift_cols,
-                        above_from, tie_key, n_above, need, True, GATHER, WRITE_KEYS, BLOCK, ONE_BLOCK, VECTORS,
-                        THREADS)
-    return written
-
-
-@triton.jit
-def _write_selected(src, cand_keys, cand_cols, cols0, u0, pos, n_pos, dst, keys_dst, col_shift, above_from, tie_key,
-                    n_above, need, TIES: tl.constexpr, GATHER: tl.constexpr, WRITE_KEYS: tl.constexpr,
-                    BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, VECTORS: tl.constexpr, THREADS: tl.constexpr):
-    """The select's writes: the keys above ``above_from`` to slots [0, n_above), with TIES the first ``need`` keys
-    equal to ``tie_key`` after them, each group in the prefix sum's order, as ``col + col_shift``. Without TIES one
-    count a column, not two (the scan, its slots and masks are about half of a one-block select's instructions)."""
     above_seen = tl.zeros((), dtype=tl.int32)
     ties_seen = tl.zeros((), dtype=tl.int32)
     for start in range(0, n_pos, BLOCK):
-        if ONE_BLOCK:
-            col = cols0
-            u = u0
+        if GATHER:
+            if ONE_BLOCK:
+                col = cols0
+            else:
+                col = _columns(cand_cols, start + pos, n_pos, GATHER)
         else:
             col = start + pos  # (positions from n_pos have key 0: never taken)
-            if GATHER:
-                col = _columns(cand_cols, start + pos, n_pos, GATHER)
+        if ONE_BLOCK:
+            u = u0
+        else:
             u = _position_keys(src, cand_keys, start + pos, n_pos, GATHER)
         is_above = u > above_from
-        index = col + col_shift.to(tl.int32)  # (int32 wraps as the int32 result would)
-        if TIES:
-            is_tie = u == tie_key
-            ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS, THREADS,
-                                SELECT_SCAN_GROUP)
-            tie_rank = ties_seen + (ranks >> 16) - 1
-            slot = tl.where(is_above, above_seen + (ranks & 0xFFFF) - 1, n_above + tie_rank)
-            # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
-            chosen = (is_above.to(tl.int32) + (is_tie & (tie_rank < need)).to(tl.int32)) > 0
-        else:
-            slot = above_seen + _prefix_sum(is_above.to(tl.int32), VECTORS, THREADS, SELECT_SCAN_GROUP) - 1
-            chosen = is_above
+        is_tie = u == tie_key
+        ranks = _prefix_sum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), VECTORS, THREADS, SELECT_SCAN_GROUP)
+        above_rank = above_seen + (ranks & 0xFFFF) - 1
+        tie_rank = ties_seen + (ranks >> 16) - 1
+        slot = tl.where(is_above, above_rank, n_above + tie_rank)
+        index = col + (col_base - shift_cols).to(tl.int32)  # (int32 wraps as the int32 result would)
+        # (the sum of the two masks: the interpreter's `|` of these masks is not a boolean)
+        chosen = (is_above.to(tl.int32) + (is_tie & (tie_rank < need)).to(tl.int32)) > 0
         _scattered_store(dst + slot, index.to(tl.int32), chosen, VECTORS)
         if WRITE_KEYS:
             _scattered_store(keys_dst + slot, u.to(tl.int32, bitcast=True), chosen, VECTORS)
         if not ONE_BLOCK:  # (one block: no next block to count for)
             above_seen += tl.sum(is_above.to(tl.int32), axis=0)
-            if TIES:
-                ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
+            ties_seen += tl.sum(is_tie.to(tl.int32), axis=0)
+    return written
 
 
 @triton.jit
