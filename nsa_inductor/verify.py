@@ -7,7 +7,7 @@ ones. Compared, per docs/numerics.md's contract:
 
 - every tensor input: no element changes where the reference left it unchanged (nothing written outside what eager
   writes); where it changed, uint8 inputs (the K cache) match byte for byte, or in all but ``CACHE_BYTES_FRACTION`` of
-  those bytes when a pass that reorders sums fired; float inputs as float outputs;
+  those bytes (``CACHE_BYTES_MIN`` at least) when a pass that reorders sums fired; float inputs as float outputs;
 - float outputs: the same NaN and ±inf positions, and a norm-wise relative error of at most ``LOGITS_RTOL`` over the
   finite entries;
 - top-k index outputs (an output computed from ``topk``'s indices): the same set per row, except that up to
@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 LOGITS_RTOL = 1e-3
 CACHE_BYTES_FRACTION = 2e-2  # twice the tests' bound for wk_gate_gemm (docs/numerics.md): 1 % of values, 1 % of scales
+CACHE_BYTES_MIN = 32  # one token may move more than 2 % of a small step's bytes: up to 17 measured (docs/numerics.md)
 TOPK_ROW_FRACTION = 1e-2
 _TOPK_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "add", "sub",
                   "clone", "contiguous", "getitem", "getattr", "_to_copy", "type"}
@@ -135,7 +136,7 @@ def _compare_input(name: str, old: torch.Tensor, want: torch.Tensor, new: torch.
         return []
     if old.dtype == torch.uint8:
         differ = written & ~_same(want, new)
-        allowed = math.floor(CACHE_BYTES_FRACTION * int(written.sum())) if relaxed else 0
+        allowed = max(math.floor(CACHE_BYTES_FRACTION * int(written.sum())), CACHE_BYTES_MIN) if relaxed else 0
         if int(differ.sum()) > allowed:
             index = tuple(int(c) for c in differ.nonzero()[0])
             return [f"{what} (uint8) differs in {int(differ.sum())} of the {int(written.sum())} bytes written "
