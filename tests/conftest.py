@@ -7,6 +7,8 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "nsa", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
+# New random examples on every run (the default's are fixed, so that CI is reproducible): HYPOTHESIS_PROFILE=fuzz
+settings.register_profile("fuzz", settings.get_profile("nsa"), derandomize=False, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nsa"))
 
 
