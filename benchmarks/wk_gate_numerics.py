@@ -5,7 +5,7 @@
 The reference indexer at DeepSeek-V3.2 sizes (paged layout, P = 64), compiled with nsa_rocm twice: as is, and with
 ``nsa.disable_passes=["wk_gate_gemm"]`` (the control: eager's bytes). A prefill stores every token's K and scores
 its logits from the cache; a decode step stores one token per sequence into a cache filled beforehand. Printed per
-case: the difference of the K-cache slots the step wrote (``nsa_inductor.workload.k_cache_difference``), logits
+case: the difference of the K-cache slots the step wrote (``nsa_inductor.cache_difference.k_cache_difference``), logits
 relative error (norm-wise over the finite entries) and -inf masks against eager, and top-k recall (the fraction of
 eager's top-k indices found).
 """
@@ -20,10 +20,11 @@ import torch
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # (last: a package on PYTHONPATH, an A/B's, wins)
 
+from nsa_inductor.cache_difference import k_cache_difference  # noqa: E402
 from nsa_inductor.indexer import Indexer, IndexerConfig  # noqa: E402
 from nsa_inductor.layout import KCacheLayout  # noqa: E402
 from nsa_inductor.pass_manager import last_reports  # noqa: E402
-from nsa_inductor.workload import decode_batch, k_cache_difference, prefill_batch  # noqa: E402
+from nsa_inductor.workload import decode_batch, prefill_batch  # noqa: E402
 
 
 def compare(eager_out, out, eager_cache, cache, layout, slots) -> dict:

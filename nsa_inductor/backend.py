@@ -51,7 +51,7 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
         return compiled
     cache_bytes_passes = {p.name for p in manager.passes if p.may_change_cache_bytes}
     return verified(compiled, reference, int(nsa_options.verify), reports[-1] if reports else None,
-                    cache_bytes_passes)
+                    cache_bytes_passes, nsa_options.layout_decision())
 
 
 @contextlib.contextmanager

@@ -92,6 +92,19 @@ class KCacheLayout:
         j = torch.arange(SCALE_BYTES, device=slots.device)
         return page[:, None] * self.page_bytes + self.page_size * HEAD_DIM + pos[:, None] * SCALE_BYTES + j
 
+    def slots_of_bytes(self, offsets: torch.Tensor) -> torch.Tensor:
+        """The slot whose value or scale each byte offset of the flattened cache holds (the inverse of
+        ``value_offsets`` and ``scale_offsets``)."""
+        offsets = offsets.long()
+        page, inner = offsets // self.page_bytes, offsets % self.page_bytes
+        values = self.page_size * HEAD_DIM
+        if self.preshuffle:  # a tile row of 16 tokens, then the token's row within its 16x16 tiles
+            tile = SHUFFLE_TILE * SHUFFLE_TILE
+            pos = inner // (SHUFFLE_TILE * HEAD_DIM) * SHUFFLE_TILE + inner % tile // SHUFFLE_TILE
+        else:
+            pos = inner // HEAD_DIM
+        return page * self.page_size + torch.where(inner < values, pos, (inner - values) // SCALE_BYTES)
+
     def store(self, cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
         """Write ``k_fp8 [N,128]`` and ``k_scale [N]`` into ``cache`` at ``slots``; a slot outside
         ``[0, num_slots)`` (negative: padding) writes nothing, and of tokens sharing a slot the last one writes it

@@ -122,36 +122,3 @@ def prefill_batch(
                   table, cu)
     return Batch(*(t.to(device) for t in batch.args))
 
-
-def k_cache_difference(layout: KCacheLayout, expected: torch.Tensor, actual: torch.Tensor,
-                       fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                       slots: torch.Tensor | None = None) -> dict[str, float | int]:
-    """How far two K caches of ``layout`` are apart, slot by slot (for rewrites that change a summation order).
-
-    ``slots``: compare only these (e.g. a step's slot mapping; negative ones are skipped), default every slot.
-    ``tokens_scale_differs``: slots whose scales differ (their values are then on another grid and not compared);
-    over the other slots, ``values_differ`` (the fraction of fp8 values that differ), ``max_ulps`` (the largest
-    distance, in steps of the fp8 grid), ``max_ulps_above_one`` (the same over values of magnitude >= 1 in units of
-    their scale: below 1 the grid's steps shrink towards subnormals, so a tiny move is many steps),
-    ``max_error_below_one`` (the largest absolute difference, in units of the scale, of the values below 1) and
-    ``tokens_differ`` (the fraction of slots with any differing value).
-    """
-    if slots is None:
-        slots = torch.arange(expected.shape[0] * layout.page_size)
-    slots = slots[slots >= 0].cpu()
-    (ev, es), (av, as_) = (layout.load(c.cpu(), slots, fp8_dtype) for c in (expected, actual))
-    same_scale = es.view(torch.int32) == as_.view(torch.int32)
-
-    def grid_step(v: torch.Tensor) -> torch.Tensor:
-        bits = v.view(torch.uint8).int()
-        return torch.where(bits >= 0x80, -(bits & 0x7F), bits & 0x7F)
-
-    ulps = (grid_step(ev) - grid_step(av)).abs()[same_scale]
-    e32, a32 = ev.float()[same_scale], av.float()[same_scale]
-    small = torch.maximum(e32.abs(), a32.abs()) < 1
-    compared = max(ulps.numel(), 1)
-    return {"tokens_scale_differs": int((~same_scale).sum()), "values_differ": float((ulps > 0).sum()) / compared,
-            "max_ulps": int(ulps.max()) if ulps.numel() else 0,
-            "max_ulps_above_one": int(ulps[~small].max()) if (~small).any() else 0,
-            "max_error_below_one": float((e32 - a32).abs()[small].max()) if small.any() else 0.0,
-            "tokens_differ": float((ulps > 0).any(-1).sum()) / max(int(same_scale.sum()), 1)}

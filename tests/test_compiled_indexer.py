@@ -248,6 +248,30 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_verify_accepts_the_compiled_steps_on_gpu(entry):
+    """``nsa.verify`` at real sizes with the Triton kernels: the K bytes that the reordering passes move (their sums
+    against cuBLAS's) decode within the bound at B = 1, 2 and 64 and in prefills, so every verified call returns, and
+    the steps equal eager as above."""
+    config = IndexerConfig.deepseek_v32(max_model_len=4096)
+    layout = GPU_LAYOUTS["paged"]
+    model = Indexer(config, layout).cuda()
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    eager_fn = getattr(model, entry)
+    verified_fn = compile_indexer(eager_fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size,
+                                             "nsa.verify": 100})
+    if entry == "decode":
+        cases = [decode_batch(config, layout, lens, max_len=2112, seed=seed, device="cuda", cache_pages=1088)
+                 for seed, lens in ((5, [2049]), (6, [5, 700]), (7, [1 + 31 * i for i in range(64)]))]
+    else:
+        cases = gpu_cases(config, layout, entry)
+    with torch.no_grad():
+        for batch in cases:
+            comp = batch.clone()
+            assert_gpu_step_close(eager_fn, batch, layout, comp.kv_cache, verified_fn(*comp.args))
+
+
+@pytest.mark.gpu
 def test_compiled_decode_replayed_in_a_cuda_graph_equals_eager():
     """As engines run a decode step: captured once in a CUDA graph (where ``side_stream`` puts the K side on a second
     stream), replayed on new tokens, lengths, pages and cache copied into the captured inputs: equal to eager on each

@@ -54,6 +54,17 @@ def test_pack_unpack_round_trip(layout, n, seed):
     assert torch.equal(values[:n].view(torch.uint8), k.view(torch.uint8)) and torch.equal(loaded[:n], scales)
 
 
+@given(layout=LAYOUTS, num_pages=st.integers(1, 3))
+def test_slots_of_bytes_inverts_the_offsets(layout, num_pages):
+    layout = KCacheLayout(*layout)
+    slots = torch.arange(num_pages * layout.page_size)
+    values, scales = layout.value_offsets(slots), layout.scale_offsets(slots)
+    assert torch.equal(layout.slots_of_bytes(values), slots[:, None].expand_as(values))
+    assert torch.equal(layout.slots_of_bytes(scales), slots[:, None].expand_as(scales))
+    every_byte = layout.slots_of_bytes(torch.arange(num_pages * layout.page_bytes))
+    assert torch.equal(every_byte.bincount(), torch.full((len(slots),), 132))  # each byte is one slot's
+
+
 def test_preshuffle_is_the_16x16_tile_permutation_of_the_row_major_page():
     page = 64
     k = torch.randint(0, 256, (page, 128), dtype=torch.uint8)

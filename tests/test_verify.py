@@ -11,7 +11,10 @@ import torch
 import nsa_inductor
 import nsa_inductor.pass_manager
 from nsa_inductor import verify
+from nsa_inductor.capability import LayoutDecision
 from nsa_inductor.indexer import Indexer
+from nsa_inductor.layout import KCacheLayout
+from nsa_inductor.quant import act_quant
 from nsa_inductor.patterns import GraphPass, PassResult
 from nsa_inductor.workload import decode_batch
 from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS
@@ -112,7 +115,8 @@ def test_wrong_logits_rewrite_is_named(monkeypatch):
 
 def test_write_outside_the_slots_is_named(monkeypatch):
     _, step, _ = compiled_decode(monkeypatch, FlipCacheBits())
-    expected = r"input \w*kv_cache\w* changed at \d+ element\(s\) the unrewritten graph left unchanged.*wrong_cache_write x1"
+    expected = (r"input \w*kv_cache\w* changed \d+ slot\(s\) of layout paged\(page_size=16\) the unrewritten graph left "
+                r"unchanged.*wrong_cache_write x1")
     with pytest.raises(verify.VerifyError, match=expected), torch.no_grad():
         step(*batch().args)
 
@@ -139,31 +143,115 @@ def test_float_rules():
     assert "NaN positions differ, first at [1, 0]" in verify._compare_float("x", want, no_nan)[0]
 
 
-def test_cache_bytes_rules():
+def test_uint8_rules():
+    """A uint8 input that is not a K cache of the compile's layout (or any, where no pass reorders sums): bytes."""
     old = torch.zeros(4, 300, dtype=torch.uint8)
     want = old.clone()
     want[1] = torch.arange(300).to(torch.uint8)  # the reference wrote row 1 (298 bytes: two stay 0)
     near = want.clone()
-    near[1, 7] += 1  # one byte of those 298: allowed only where a pass may change cache bytes
-    assert verify._compare_input("c", old, want, near, relaxed=True) == []
-    strict = verify._compare_input("c", old, want, near, relaxed=False)[0]
-    assert "differs in 1 of the 298 bytes written (allowed 0), first at [1, 7]: 8, expected 7" in strict
-    one_token = want.clone()
-    one_token[1, 1:33] += 1  # a small step: one token may move more than 2 % of the bytes written (32 at least)
-    assert verify._compare_input("c", old, want, one_token, relaxed=True) == []
-    one_token[1, 33] += 1
-    assert "differs in 33 of the 298 bytes written (allowed 32)" in verify._compare_input("c", old, want, one_token,
-                                                                                          relaxed=True)[0]
-    large_old = torch.zeros(40, 132, dtype=torch.uint8)
-    large_want = large_old + 1
-    large_near = large_want.clone()
-    large_near.view(-1)[:106] += 1  # 2 % of 5280 bytes: 105
-    assert "differs in 106 of the 5280 bytes written (allowed 105)" in verify._compare_input(
-        "c", large_old, large_want, large_near, relaxed=True)[0]
+    near[1, 7] += 1
+    assert "differs in 1 of the 298 bytes written, first at [1, 7]: 8, expected 7" in \
+        verify._compare_input("c", old, want, near)[0]
     outside = want.clone()
     outside[3, 0] = 9
-    message = verify._compare_input("c", old, want, outside, relaxed=True)[0]
+    message = verify._compare_input("c", old, want, outside)[0]
     assert "changed at 1 element(s) the unrewritten graph left unchanged, first at [3, 0]: 0 -> 9" in message
+    assert verify._cache_layout(old, LAYOUT_DECISION) is None  # 300-byte rows: not whole tokens
+    assert verify._cache_layout(torch.zeros(4, 264, dtype=torch.uint8), LAYOUT_DECISION) == KCacheLayout(2)
+
+
+LAYOUT_DECISION = LayoutDecision(KCacheLayout(16), "test")
+CACHE_LAYOUT = KCacheLayout(16)
+WRITTEN = torch.tensor([3, 17, 20, 40, 41, 63])  # slots of 4 pages of 16
+
+
+def cache_step(scale_fmt="ue8m0"):
+    """(old, want): a cache of random bytes and the same with eager's K written at ``WRITTEN``, and its K."""
+    gen = torch.Generator().manual_seed(5)
+    old = CACHE_LAYOUT.allocate(64).random_(0, 256, generator=gen)
+    k = torch.randn(len(WRITTEN), 128, generator=gen) * 3
+    k[:, 0] = 1e-3  # a value near zero in every token
+    want = old.clone()
+    CACHE_LAYOUT.store(want, WRITTEN, *(t.squeeze(-1) for t in act_quant(k, 128, scale_fmt)))
+    return old, want, k
+
+
+def stored(cache, slot, values=None, scale=None):
+    """``cache`` with slot ``slot``'s fp8 values and/or scale replaced."""
+    cache = cache.clone()
+    old_values, old_scale = CACHE_LAYOUT.load(cache, torch.tensor([slot]), torch.float8_e4m3fn)
+    CACHE_LAYOUT.store(cache, torch.tensor([slot]), old_values if values is None else values[None],
+                       old_scale if scale is None else torch.tensor([scale]))
+    return cache
+
+
+def fp8_steps(values, steps):
+    """fp8 values moved ``steps`` places along the grid (away from zero for positive steps)."""
+    bits = values.view(torch.uint8).int()
+    return (bits + steps).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def decoded(old, want, new):
+    return verify._compare_input("kv", old, want, new, CACHE_LAYOUT, torch.float8_e4m3fn)
+
+
+def test_cache_decoded_rules():
+    old, want, k = cache_step()
+    values, scales = CACHE_LAYOUT.load(want, WRITTEN, torch.float8_e4m3fn)
+    assert decoded(old, want, want) == []
+    big = values[1].float().abs().argmax()
+    one_step = values[1].clone()
+    one_step[big] = fp8_steps(one_step[big:big + 1], 1)[0]
+    assert decoded(old, want, stored(want, 17, one_step)) == []
+    three = values[1].clone()
+    three[big] = fp8_steps(three[big:big + 1], 3)[0]
+    assert "a value of slot 17 is 1.5 times its bound away" in decoded(old, want, stored(want, 17, three))[0]
+    near_zero = int(values[2].float().abs().argmin())
+    assert values[2, near_zero].float().abs() < 0.1  # in units of the scale
+    for moved_to, within in ((0.875, True), (-1.25, False)):  # up to 1 scale unit away where the steps are smaller
+        moved = values[2].clone()
+        moved[near_zero] = moved_to
+        assert (decoded(old, want, stored(want, 20, moved)) == []) == within
+    many = want
+    for t, slot in enumerate(WRITTEN.tolist()[:3]):  # 3 x 22 = 66 values a step away: over 64 (1 % of 768 is 7)
+        moved = values[t].clone()
+        moved[:22] = fp8_steps(moved[:22], 1)
+        many = stored(many, slot, moved)
+    assert "66 of 768 fp8 values differ (allowed 64)" in decoded(old, want, many)[0]
+
+
+def test_cache_scales_are_decoded():
+    """A scale one power of two off changes one or two bytes: decoded, its values are twice eager's. The same token
+    quantized to the next scale, its values halved onto that grid, is the same numbers: one such token passes."""
+    old, want, k = cache_step()
+    values, scales = CACHE_LAYOUT.load(want, WRITTEN, torch.float8_e4m3fn)
+    wrong_scale = stored(want, 40, scale=float(scales[3]) * 2)
+    assert int((wrong_scale != want).sum()) <= 2
+    assert "a value of slot 40 is " in decoded(old, want, wrong_scale)[0]
+    coarser = (values[3].float() / 2).to(torch.float8_e4m3fn)
+    requantized = stored(want, 40, coarser, float(scales[3]) * 2)
+    assert decoded(old, want, requantized) == []
+    two_tokens = stored(requantized, 63, (values[5].float() / 2).to(torch.float8_e4m3fn), float(scales[5]) * 2)
+    assert "2 of 6 tokens have another scale (allowed 1)" in decoded(old, want, two_tokens)[0]
+    nan_scale = stored(want, 3, scale=float("nan"))
+    assert "a value of slot 3 is inf times its bound away" in decoded(old, want, nan_scale)[0]
+
+
+def test_cache_writes_outside_the_reference_slots():
+    old, want, _ = cache_step()
+    outside = want.clone()
+    outside[2, 5] ^= 1  # page 2, the value bytes of its slot 0: slot 32
+    assert decoded(old, want, outside) == ["input kv changed 1 slot(s) of layout paged(page_size=16) the "
+                                           "unrewritten graph left unchanged, first slot 32"]
+
+
+def test_fp8_format_is_the_graphs():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fnuz = make_fx(lambda x: x.to(torch.float8_e4m3fnuz).float())(torch.ones(4))
+    assert verify._fp8_dtype(fnuz) == torch.float8_e4m3fnuz
+    no_fp8 = make_fx(lambda x: x * 2)(torch.ones(4))
+    assert verify._fp8_dtype(no_fp8) == nsa_inductor.capability.capability().fp8_dtype
 
 
 def test_topk_rules():
