@@ -11,8 +11,12 @@ ones. Compared, per docs/numerics.md's contract:
   (no slot written that the reference left unchanged); float inputs as float outputs;
 - float outputs: the same NaN and ±inf positions, and a norm-wise relative error of at most ``LOGITS_RTOL`` over the
   finite entries;
-- top-k index outputs (an output computed from ``topk``'s indices): the same set per row, except that up to
-  ``TOPK_ROW_FRACTION`` of a row's entries (at least one) may be other near-tied columns; other outputs: equal.
+- top-k index outputs (an output computed from ``topk``'s indices): no column twice in a row; where the output holds
+  the columns themselves (through masking, casts and views), the same number of ``-1`` entries per row, and every
+  column that differs from the reference's a near tie of the row's k-th value in the logits ``topk`` read (within
+  ``TOPK_TIE_RTOL`` of the row's largest finite magnitude); else (columns shifted by an offset, or NaN in the row)
+  the same set per row, except that up to ``TOPK_ROW_FRACTION`` of a row's entries (at least one) may differ;
+  other outputs: equal.
 
 A mismatch raises :class:`VerifyError` naming the graph, the passes that fired and the first differing elements.
 Costs, on the verified calls only: the graph runs twice, and every tensor input is cloned twice (the K cache
@@ -35,8 +39,12 @@ from .layout import TOKEN_BYTES, KCacheLayout
 
 LOGITS_RTOL = 1e-3
 TOPK_ROW_FRACTION = 1e-2
-_TOPK_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "add", "sub",
-                  "clone", "contiguous", "getitem", "getattr", "_to_copy", "type"}
+TOPK_TIE_RTOL = 1e-3  # the logits' own tolerance (LOGITS_RTOL): keys that close to the k-th value may swap places
+# ops between ``topk`` and an output that keep its indices' values (masking writes -1, not other columns) ...
+_COLUMN_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "clone",
+                    "contiguous", "getitem", "getattr", "_to_copy", "type"}
+# ... and those that shift them (a prefill's per-row offset)
+_TOPK_PATH_OPS = _COLUMN_PATH_OPS | {"add", "sub"}
 
 
 class VerifyError(AssertionError):
@@ -69,9 +77,11 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
         left[0] -= 1
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        expected = reference(*ref_args)
+        recorder = _TopkInputs(reference, {node for node in topk_outputs.values() if node is not None})
+        expected = recorder.run(*ref_args)
         got = compiled(*args)
-        problems = _compare_outputs(expected, got, topk_outputs)
+        topk_logits = {i: recorder.inputs.get(node) for i, node in topk_outputs.items()}
+        problems = _compare_outputs(expected, got, topk_logits)
         for name, old, want, new in zip(input_names, before, ref_args, args):
             if isinstance(old, torch.Tensor):
                 layout = _cache_layout(old, decision) if relaxed else None
@@ -85,28 +95,61 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
     return run
 
 
-def _topk_outputs(gm: torch.fx.GraphModule) -> set[int]:
-    """Positions of the flat outputs computed from ``topk``'s indices (through masking, casts and views)."""
+def _topk_outputs(gm: torch.fx.GraphModule) -> dict[int, torch.fx.Node | None]:
+    """The flat outputs computed from ``topk``'s indices (through masking, casts, views and offsets), by position:
+    the ``topk`` node where the output holds its columns themselves and ``topk`` takes the largest along the last
+    dimension, else None."""
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     flat, _ = tree_flatten(output.args[0])
-    found = set()
+    found: dict[int, torch.fx.Node | None] = {}
     for i, node in enumerate(flat):
-        frontier, seen = [node], set()
+        frontier, seen = [(node, False)], set()
         while frontier:
-            cur = frontier.pop()
+            cur, shifted = frontier.pop()
             if not isinstance(cur, torch.fx.Node) or cur in seen:
                 continue
             seen.add(cur)
-            name = cur.target if isinstance(cur.target, str) else getattr(cur.target, "__name__", "")
+            name = _op_name(cur)
             if name == "topk":
-                found.add(i)
+                found[i] = None if shifted or not _largest_along_last(cur) else cur
                 break
             if cur.op in ("call_function", "call_method") and name in _TOPK_PATH_OPS:
-                frontier += [a for a in cur.args if isinstance(a, torch.fx.Node)]
+                frontier += [(a, shifted or name not in _COLUMN_PATH_OPS) for a in cur.args
+                             if isinstance(a, torch.fx.Node)]
     return found
 
 
-def _compare_outputs(expected: Any, got: Any, topk_outputs: set[int]) -> list[str]:
+def _op_name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _largest_along_last(topk: torch.fx.Node) -> bool:
+    """Whether a ``topk`` call (``torch.topk(x, k, dim, largest, ...)`` or ``x.topk(...)``) keeps the largest values
+    along the last dimension of ``x``."""
+    params = dict(zip(("input", "k", "dim", "largest"), topk.args)) | topk.kwargs
+    source = params.get("input", params.get("self"))
+    rank = getattr(source.meta.get("example_value"), "ndim", None) if isinstance(source, torch.fx.Node) else None
+    dim = params.get("dim", -1)
+    return params.get("largest", True) is True and isinstance(dim, int) and rank is not None and dim in (-1, rank - 1)
+
+
+class _TopkInputs(torch.fx.Interpreter):
+    """Runs the reference graph and keeps the tensor each of ``nodes`` (``topk`` calls) reads."""
+
+    def __init__(self, gm: torch.fx.GraphModule, nodes: set[torch.fx.Node]):
+        super().__init__(gm)
+        self.nodes, self.inputs = nodes, {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n in self.nodes:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            self.inputs[n] = args[0] if args else n.kwargs.get("input")
+        return super().run_node(n)
+
+
+def _compare_outputs(expected: Any, got: Any, topk_logits: dict[int, torch.Tensor | None]) -> list[str]:
+    """``topk_logits``: the top-k index outputs by position, each with the logits its ``topk`` read (None: compared
+    as sets)."""
     want, _ = tree_flatten(expected)
     have, _ = tree_flatten(got)
     if len(want) != len(have):
@@ -121,8 +164,8 @@ def _compare_outputs(expected: Any, got: Any, topk_outputs: set[int]) -> list[st
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
             problems += _compare_float(what, w, h)
-        elif i in topk_outputs and w.dim() >= 1:
-            problems += _compare_topk(what, w, h)
+        elif i in topk_logits and w.dim() >= 1:
+            problems += _compare_topk(what, w, h, topk_logits[i])
         elif not torch.equal(w, h):
             problems.append(_first_difference(what, w, h))
     return problems
@@ -201,20 +244,50 @@ def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor) -> list[st
     return []
 
 
-def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor) -> list[str]:
-    rows_w, rows_h = want.reshape(-1, want.shape[-1]), have.reshape(-1, have.shape[-1])
-    k = rows_w.shape[-1]
+def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: torch.Tensor | None = None) -> list[str]:
+    rows_w, rows_h = want.reshape(-1, want.shape[-1]).tolist(), have.reshape(-1, have.shape[-1]).tolist()
+    rows_l = None
+    if logits is not None and logits.dim() >= 1 and logits.numel() // max(logits.shape[-1], 1) == len(rows_w):
+        rows_l = logits.detach().reshape(len(rows_w), -1).double().cpu()
+    k = want.shape[-1]
     allowed = max(1, math.floor(TOPK_ROW_FRACTION * k))
-    for r in range(rows_w.shape[0]):
-        w, h = Counter(rows_w[r].tolist()), Counter(rows_h[r].tolist())
-        repeated = sorted(c for c, n in h.items() if n > 1 and c >= 0)
+    for r, (w_row, h_row) in enumerate(zip(rows_w, rows_h)):
+        w, h = Counter(w_row), Counter(h_row)
+        repeated = sorted(c for c, n in h.items() if n > max(w[c], 1) and c >= 0)  # (a fill the reference repeats)
         if repeated:
             return [f"{what}: row {r} repeats column(s) {repeated[:4]}"]
+        if rows_l is not None and not rows_l[r].isnan().any():
+            problem = _near_ties(what, r, rows_l[r], w_row, h_row)
+            if problem:
+                return [problem]
+            continue
         missing = sum((w - h).values())  # multisets: the -1 padding repeats
         if missing > allowed:
             return [f"{what}: row {r} misses {missing} of its {k} top-k entries (allowed {allowed}), e.g. "
                     f"{sorted((w - h).elements())[:4]}, and has {sorted((h - w).elements())[:4]} instead"]
     return []
+
+
+def _near_ties(what: str, r: int, logits: torch.Tensor, want: list[int], have: list[int]) -> str | None:
+    """Row ``r`` of a top-k output against the reference's: the same count of -1 entries, columns in range, and
+    each column in one of the two and not the other within ``TOPK_TIE_RTOL`` of the k-th value (the reference's
+    smallest selected logit)."""
+    w_cols, h_cols = [c for c in want if c >= 0], [c for c in have if c >= 0]
+    if len(h_cols) != len(w_cols) or any(c >= len(logits) for c in h_cols):
+        return (f"{what}: row {r} has {len(h_cols)} columns (the rest -1), expected {len(w_cols)}"
+                if len(h_cols) != len(w_cols) else f"{what}: row {r} has a column past the {len(logits)} logits")
+    added, dropped = sorted(set(h_cols) - set(w_cols)), sorted(set(w_cols) - set(h_cols))
+    if not added:
+        return None
+    kth = float(logits[w_cols].min())
+    finite = logits[logits.isfinite()]
+    tol = TOPK_TIE_RTOL * float(finite.abs().max()) if finite.numel() else 0.0
+    far = [c for c in added if logits[c] < kth - tol] + [c for c in dropped if logits[c] > kth + tol]
+    if not far:
+        return None
+    return (f"{what}: row {r} has column(s) {added[:4]} (logits {[float(logits[c]) for c in added[:4]]}) in place "
+            f"of {dropped[:4]} (logits {[float(logits[c]) for c in dropped[:4]]}): not near ties of the k-th value "
+            f"{kth:.6g} (within {tol:.3g})")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

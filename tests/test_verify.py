@@ -57,6 +57,28 @@ class FlipCacheBits(GraphPass):
         return result
 
 
+class OneFarColumn(GraphPass):
+    """Wrong on purpose: each row's first top-k entry replaced by the row's smallest logit's column (one of k)."""
+
+    name = "wrong_topk_column"
+
+    def __call__(self, graph, ctx=None):
+        result = PassResult()
+        for node in list(graph.find_nodes(op="call_function", target=torch.ops.nsa.topk_indices.default)):
+            logits = node.args[0]
+            with graph.inserting_before(node.next):
+                smallest = graph.call_function(aten.argmin.default, (logits, -1, True))
+                column = graph.call_function(torch.ops.prims.convert_element_type.default, (smallest, torch.int32))
+                wrong = graph.call_function(aten.slice_scatter.default, (node, column, 1, 0, 1))
+            node.replace_all_uses_with(wrong, delete_user_cb=lambda user: user is not wrong)
+            with node.meta["val"].fake_mode:
+                smallest.meta["val"] = aten.argmin.default(logits.meta["val"], -1, True)
+                column.meta["val"] = smallest.meta["val"].to(torch.int32)
+                wrong.meta["val"] = node.meta["val"].clone()
+            result.matched += 1
+        return result
+
+
 def compiled_decode(monkeypatch, extra_pass=None, verify_calls=True):
     """The small reference indexer's decode under nsa.verify, with ``extra_pass`` appended to the real passes."""
     if extra_pass is not None:
@@ -118,6 +140,15 @@ def test_write_outside_the_slots_is_named(monkeypatch):
     expected = (r"input \w*kv_cache\w* changed \d+ slot\(s\) of layout paged\(page_size=16\) the unrewritten graph left "
                 r"unchanged.*wrong_cache_write x1")
     with pytest.raises(verify.VerifyError, match=expected), torch.no_grad():
+        step(*batch().args)
+
+
+def test_one_far_top_k_column_is_named(monkeypatch):
+    """One entry of k in every row replaced by a column far below the k-th value: within the 1 % that set
+    comparison alone would allow, but not a near tie of the logits ``topk`` read."""
+    _, step, _ = compiled_decode(monkeypatch, OneFarColumn())
+    with pytest.raises(verify.VerifyError, match=r"output 1: row \d+ has column\(s\) \[\d+\] .* not near ties of "
+                                                 r"the k-th value .*wrong_topk_column x1"), torch.no_grad():
         step(*batch().args)
 
 
@@ -263,9 +294,26 @@ def test_topk_rules():
     assert "row 0 misses 2 of its 4 top-k entries (allowed 1)" in verify._compare_topk("t", want, two)[0]
     repeated = torch.tensor([[0, 1, 2, 3], [4, 4, -1, -1]])
     assert "row 1 repeats column(s) [4]" in verify._compare_topk("t", want, repeated)[0]
+    zero_filled = torch.tensor([[5, 0, 0, 0]])  # masked to 0 rather than -1: the reference repeats it too
+    assert verify._compare_topk("t", zero_filled, zero_filled.flip(1)) == []
     wide = torch.arange(200).view(1, 200)
     assert verify._compare_topk("t", wide, wide.clone().index_fill_(1, torch.tensor([0, 1]), 500)[:, :200]) != []
     assert verify._compare_topk("t", wide, torch.cat([wide[:, 2:], torch.tensor([[700, 701]])], 1)) == []  # 2 of 200
+
+
+def test_topk_rules_with_the_logits():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.999999, 1.0], [1.0, 1.0, 1.0, 1.0, float("-inf"), float("-inf")]])
+    want = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
+    tied = torch.tensor([[0, 1, 2, 4], [3, 2, 1, 0]])  # 3 and 4 within 1e-3 of the largest magnitude
+    assert verify._compare_topk("t", want, tied, logits) == []
+    far = torch.tensor([[0, 1, 2, 5], [0, 1, 2, 3]])
+    assert "row 0 has column(s) [5] (logits [1.0]) in place of [3] (logits [2.0]): not near ties of the k-th value 2" \
+        in verify._compare_topk("t", want, far, logits)[0]
+    padded = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]])
+    assert "row 1 has 3 columns (the rest -1), expected 4" in verify._compare_topk("t", want, padded, logits)[0]
+    ties = torch.zeros(1, 400)  # many equal logits: any 200 of them are a top k, though most differ from eager's
+    assert verify._compare_topk("t", torch.arange(200)[None], torch.arange(200, 400)[None], ties) == []
+    assert verify._compare_topk("t", torch.arange(200)[None], torch.arange(200, 400)[None]) != []  # as sets only
 
 
 def test_options():
