@@ -13,10 +13,11 @@ ones. Compared, per docs/numerics.md's contract:
   finite entries;
 - top-k index outputs (an output computed from ``topk``'s indices): no column twice in a row; where the output holds
   the columns themselves (through masking, casts and views), the same number of ``-1`` entries per row, and every
-  column that differs from the reference's a near tie of the row's k-th value in the logits ``topk`` read (within
-  ``TOPK_TIE_RTOL`` of the row's largest finite magnitude); else (columns shifted by an offset, or NaN in the row)
-  the same set per row, except that up to ``TOPK_ROW_FRACTION`` of a row's entries (at least one) may differ;
-  other outputs: equal.
+  column that differs from the reference's a near tie of the row's k-th value in the logits ``topk`` read: the
+  compiled graph's where they are an output too (within ``TOPK_TIE_RTOL`` of the row's largest finite magnitude),
+  else the reference's (within ``MOVED_KEYS_LOGITS_RTOL`` of it where K values moved, as a moved key's logits
+  may); else (columns shifted by an offset, or NaN in the row) the same set per row, except that up to
+  ``TOPK_ROW_FRACTION`` of a row's entries (at least one) may differ; other outputs: equal.
 
 A mismatch raises :class:`VerifyError` naming the graph, the passes that fired and the first differing elements.
 Costs, on the verified calls only: the graph runs twice, and every tensor input is cloned twice (the K cache
@@ -33,13 +34,13 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from .cache_difference import k_cache_problems
+from .cache_difference import MOVED_KEYS_LOGITS_RTOL, k_cache_problems, logits_rtol
 from .capability import LayoutDecision, cache_layout, capability
 from .layout import TOKEN_BYTES, KCacheLayout
 
 LOGITS_RTOL = 1e-3
 TOPK_ROW_FRACTION = 1e-2
-TOPK_TIE_RTOL = 1e-3  # the logits' own tolerance (LOGITS_RTOL): keys that close to the k-th value may swap places
+TOPK_TIE_RTOL = 1e-3  # keys this close to the k-th value (relative to the row's largest) may swap places
 # ops between ``topk`` and an output that keep its indices' values (masking writes -1, not other columns) ...
 _COLUMN_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "clone",
                     "contiguous", "getitem", "getattr", "_to_copy", "type"}
@@ -67,6 +68,7 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
     relaxed = any(p["name"] in cache_bytes_passes and p["matched"] for p in (report or {}).get("passes") or [])
     graph_name = (report or {}).get("graph", "?")
     topk_outputs = _topk_outputs(reference)
+    outputs = tree_flatten(next(n for n in reference.graph.nodes if n.op == "output").args[0])[0]
     input_names = [n.name for n in reference.graph.find_nodes(op="placeholder")]
     fp8_dtype = _fp8_dtype(reference)
     left = [calls]
@@ -80,12 +82,22 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
         recorder = _TopkInputs(reference, {node for node in topk_outputs.values() if node is not None})
         expected = recorder.run(*ref_args)
         got = compiled(*args)
-        topk_logits = {i: recorder.inputs.get(node) for i, node in topk_outputs.items()}
-        problems = _compare_outputs(expected, got, topk_logits)
+        problems, moved = [], []
         for name, old, want, new in zip(input_names, before, ref_args, args):
-            if isinstance(old, torch.Tensor):
-                layout = _cache_layout(old, decision) if relaxed else None
-                problems += _compare_input(name, old, want, new, layout, fp8_dtype)
+            layout = _cache_layout(old, decision) if relaxed and isinstance(old, torch.Tensor) else None
+            if layout is not None:
+                cache_problems, diff = _compare_cache(f"input {name}", layout, fp8_dtype, old, want, new)
+                problems, moved = problems + cache_problems, moved + [diff]
+            elif isinstance(old, torch.Tensor):
+                problems += _compare_input(name, old, want, new)
+        rtol = max([logits_rtol(LOGITS_RTOL, diff) for diff in moved], default=LOGITS_RTOL)
+        got_flat, _ = tree_flatten(got)
+        tie_rtol = MOVED_KEYS_LOGITS_RTOL if rtol > LOGITS_RTOL else TOPK_TIE_RTOL
+        topk_logits = {i: None if node is None
+                       else (got_flat[outputs.index(_topk_source(node))], TOPK_TIE_RTOL)
+                       if _topk_source(node) in outputs else (recorder.inputs.get(node), tie_rtol)
+                       for i, node in topk_outputs.items()}
+        problems = _compare_outputs(expected, got, topk_logits, rtol) + problems
         if problems:
             raise VerifyError(f"nsa.verify: compiled graph {graph_name} differs from the unrewritten graph: "
                               f"{'; '.join(problems[:4])}. Passes that fired: {', '.join(fired) or 'none'}. "
@@ -123,11 +135,16 @@ def _op_name(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
 
 
+def _topk_source(topk: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose values a ``topk`` call ranks."""
+    return topk.args[0] if topk.args else topk.kwargs.get("input")
+
+
 def _largest_along_last(topk: torch.fx.Node) -> bool:
     """Whether a ``topk`` call (``torch.topk(x, k, dim, largest, ...)`` or ``x.topk(...)``) keeps the largest values
     along the last dimension of ``x``."""
     params = dict(zip(("input", "k", "dim", "largest"), topk.args)) | topk.kwargs
-    source = params.get("input", params.get("self"))
+    source = _topk_source(topk)
     rank = getattr(source.meta.get("example_value"), "ndim", None) if isinstance(source, torch.fx.Node) else None
     dim = params.get("dim", -1)
     return params.get("largest", True) is True and isinstance(dim, int) and rank is not None and dim in (-1, rank - 1)
@@ -142,14 +159,15 @@ class _TopkInputs(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n in self.nodes:
-            args, _ = self.fetch_args_kwargs_from_env(n)
-            self.inputs[n] = args[0] if args else n.kwargs.get("input")
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            self.inputs[n] = args[0] if args else kwargs.get("input")
         return super().run_node(n)
 
 
-def _compare_outputs(expected: Any, got: Any, topk_logits: dict[int, torch.Tensor | None]) -> list[str]:
-    """``topk_logits``: the top-k index outputs by position, each with the logits its ``topk`` read (None: compared
-    as sets)."""
+def _compare_outputs(expected: Any, got: Any, topk_logits: dict[int, tuple[torch.Tensor, float] | None],
+                     rtol: float = LOGITS_RTOL) -> list[str]:
+    """``topk_logits``: the top-k index outputs by position, each with the logits its ``topk`` read and the
+    tolerance of a near tie (None: compared as sets); ``rtol``: float outputs' tolerance."""
     want, _ = tree_flatten(expected)
     have, _ = tree_flatten(got)
     if len(want) != len(have):
@@ -163,9 +181,9 @@ def _compare_outputs(expected: Any, got: Any, topk_logits: dict[int, torch.Tenso
         elif not isinstance(h, torch.Tensor) or h.shape != w.shape or h.dtype != w.dtype:
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
-            problems += _compare_float(what, w, h)
+            problems += _compare_float(what, w, h, rtol)
         elif i in topk_logits and w.dim() >= 1:
-            problems += _compare_topk(what, w, h, topk_logits[i])
+            problems += _compare_topk(what, w, h, *(topk_logits[i] or ()))
         elif not torch.equal(w, h):
             problems.append(_first_difference(what, w, h))
     return problems
@@ -188,14 +206,10 @@ def _fp8_dtype(gm: torch.fx.GraphModule) -> torch.dtype:
     return found.pop() if len(found) == 1 else capability().fp8_dtype
 
 
-def _compare_input(name: str, old: torch.Tensor, want: torch.Tensor, new: torch.Tensor,
-                   layout: KCacheLayout | None = None, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> list[str]:
-    """Graph input ``name`` after the call: unchanged where the reference left it unchanged; equal where the
-    reference wrote it, or with ``layout`` (a K cache where sums may be reordered) within the decoded bound."""
+def _compare_input(name: str, old: torch.Tensor, want: torch.Tensor, new: torch.Tensor) -> list[str]:
+    """Graph input ``name`` after the call: unchanged where the reference left it unchanged, equal where it wrote."""
     what = f"input {name}"
     written = ~_same(old, want)
-    if layout is not None:
-        return _compare_cache(what, layout, fp8_dtype, old, want, new, written)
     outside = written.logical_not() & ~_same(old, new)
     if outside.any():
         index = tuple(int(c) for c in outside.nonzero()[0])
@@ -214,20 +228,21 @@ def _compare_input(name: str, old: torch.Tensor, want: torch.Tensor, new: torch.
 
 
 def _compare_cache(what: str, layout: KCacheLayout, fp8_dtype: torch.dtype, old: torch.Tensor, want: torch.Tensor,
-                   new: torch.Tensor, written: torch.Tensor) -> list[str]:
-    """A K cache: the slots the compiled graph changed are among those the reference wrote, which keep the bound
-    of :func:`.cache_difference.k_cache_problems`."""
-    pages = [c.view(-1, old.shape[-1]) for c in (want, new)]
-    slots = layout.slots_of_bytes(written.view(-1).nonzero().squeeze(1)).unique()
+                   new: torch.Tensor) -> tuple[list[str], dict[str, float | int] | None]:
+    """A K cache where sums may be reordered: the slots the compiled graph changed are among those the reference
+    wrote, which keep the bound of :func:`.cache_difference.k_cache_problems`; and their difference (None: the
+    compiled graph wrote outside them)."""
+    slots = layout.slots_of_bytes((~_same(old, want)).view(-1).nonzero().squeeze(1)).unique()
     changed = layout.slots_of_bytes((~_same(old, new)).view(-1).nonzero().squeeze(1)).unique()
     outside = changed[~torch.isin(changed, slots)]
     if outside.numel():
         return [f"{what} changed {outside.numel()} slot(s) of layout {layout} the unrewritten graph left unchanged, "
-                f"first slot {int(outside[0])}"]
-    return [f"{what} (K cache, {layout}): {problem}" for problem in k_cache_problems(layout, *pages, slots, fp8_dtype)]
+                f"first slot {int(outside[0])}"], None
+    problems, diff = k_cache_problems(layout, *(c.view(-1, old.shape[-1]) for c in (want, new)), slots, fp8_dtype)
+    return [f"{what} (K cache, {layout}): {problem}" for problem in problems], diff
 
 
-def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor) -> list[str]:
+def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: float = LOGITS_RTOL) -> list[str]:
     for name, mask in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         if not torch.equal(mask(want), mask(have)):
             index = tuple(int(c) for c in (mask(want) != mask(have)).nonzero()[0])
@@ -236,15 +251,16 @@ def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor) -> list[st
     finite = torch.isfinite(want)
     ref, got = want[finite].double(), have[finite].double()
     err = ((ref - got).norm() / ref.norm().clamp(min=1e-30)).item() if ref.numel() else 0.0
-    if err > LOGITS_RTOL:
+    if err > rtol:
         largest = (want.double() - have.double()).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).argmax()
         index = tuple(int(c) for c in torch.unravel_index(largest, want.shape))
-        return [f"{what}: relative error {err:.2e} over the finite entries (allowed {LOGITS_RTOL:g}), largest at "
+        return [f"{what}: relative error {err:.2e} over the finite entries (allowed {rtol:.3g}), largest at "
                 f"{list(index)}: {_item(have, index)}, expected {_item(want, index)}"]
     return []
 
 
-def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: torch.Tensor | None = None) -> list[str]:
+def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: torch.Tensor | None = None,
+                  tie_rtol: float = TOPK_TIE_RTOL) -> list[str]:
     rows_w, rows_h = want.reshape(-1, want.shape[-1]).tolist(), have.reshape(-1, have.shape[-1]).tolist()
     rows_l = None
     if logits is not None and logits.dim() >= 1 and logits.numel() // max(logits.shape[-1], 1) == len(rows_w):
@@ -257,7 +273,7 @@ def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: tor
         if repeated:
             return [f"{what}: row {r} repeats column(s) {repeated[:4]}"]
         if rows_l is not None and not rows_l[r].isnan().any():
-            problem = _near_ties(what, r, rows_l[r], w_row, h_row)
+            problem = _near_ties(what, r, rows_l[r], w_row, h_row, tie_rtol)
             if problem:
                 return [problem]
             continue
@@ -268,10 +284,11 @@ def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: tor
     return []
 
 
-def _near_ties(what: str, r: int, logits: torch.Tensor, want: list[int], have: list[int]) -> str | None:
+def _near_ties(what: str, r: int, logits: torch.Tensor, want: list[int], have: list[int], tie_rtol: float
+               ) -> str | None:
     """Row ``r`` of a top-k output against the reference's: the same count of -1 entries, columns in range, and
-    each column in one of the two and not the other within ``TOPK_TIE_RTOL`` of the k-th value (the reference's
-    smallest selected logit)."""
+    each column in one of the two and not the other within ``tie_rtol`` (of the row's largest finite magnitude) of
+    the row's k-th value in ``logits``."""
     w_cols, h_cols = [c for c in want if c >= 0], [c for c in have if c >= 0]
     if len(h_cols) != len(w_cols) or any(c >= len(logits) for c in h_cols):
         return (f"{what}: row {r} has {len(h_cols)} columns (the rest -1), expected {len(w_cols)}"
@@ -279,9 +296,9 @@ def _near_ties(what: str, r: int, logits: torch.Tensor, want: list[int], have: l
     added, dropped = sorted(set(h_cols) - set(w_cols)), sorted(set(w_cols) - set(h_cols))
     if not added:
         return None
-    kth = float(logits[w_cols].min())
+    kth = float(logits.topk(len(w_cols)).values[-1])
     finite = logits[logits.isfinite()]
-    tol = TOPK_TIE_RTOL * float(finite.abs().max()) if finite.numel() else 0.0
+    tol = tie_rtol * float(finite.abs().max()) if finite.numel() else 0.0
     far = [c for c in added if logits[c] < kth - tol] + [c for c in dropped if logits[c] > kth + tol]
     if not far:
         return None

@@ -16,7 +16,7 @@ from nsa_inductor.indexer import Indexer
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.quant import act_quant
 from nsa_inductor.patterns import GraphPass, PassResult
-from nsa_inductor.workload import decode_batch
+from nsa_inductor.workload import decode_batch, prefill_batch
 from helpers.models import CACHE_SLOTS, CONFIGS, LAYOUTS
 
 aten = torch.ops.aten
@@ -126,6 +126,26 @@ def test_a_step_of_two_tokens_may_move_one_tokens_values(monkeypatch):
     assert int((b.kv_cache != eager.kv_cache).sum()) == 7
 
 
+def test_a_prefill_of_18_tokens_may_move_one_keys_logits():
+    """One of the 18 tokens has 7 values a step from eager's (wk_gate_gemm's summation order), which moves its
+    key's logits: 3.6e-3 norm-wise over the step's small logits matrix, past 1e-3 but within the allowance for moved
+    keys (docs/numerics.md)."""
+    torch._dynamo.reset()
+    layout = LAYOUTS["flat"]
+    model = Indexer(CONFIGS["glm5"], layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    step = torch.compile(model.prefill, backend="nsa_rocm", dynamic=False,
+                         options={"nsa.layout": "flat", "nsa.page_size": 1, "nsa.verify": True, "fx_graph_cache": False})
+    b = prefill_batch(CONFIGS["glm5"], layout, [8, 10], seed=92)
+    eager = b.clone()
+    with torch.no_grad():
+        logits, _ = step(*b.args)
+        e_logits, _ = model.prefill(*eager.args)
+    finite = ~e_logits.isneginf()
+    error = (logits[finite].double() - e_logits[finite].double()).norm() / e_logits[finite].double().norm()
+    assert 3e-3 < error < 4e-3
+
+
 def test_wrong_logits_rewrite_is_named(monkeypatch):
     _, step, _ = compiled_decode(monkeypatch, ScaleLogits())
     with pytest.raises(verify.VerifyError) as err, torch.no_grad():
@@ -223,7 +243,7 @@ def fp8_steps(values, steps):
 
 
 def decoded(old, want, new):
-    return verify._compare_input("kv", old, want, new, CACHE_LAYOUT, torch.float8_e4m3fn)
+    return verify._compare_cache("input kv", CACHE_LAYOUT, torch.float8_e4m3fn, old, want, new)[0]
 
 
 def test_cache_decoded_rules():
