@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 
+from nsa_inductor.cache_difference import logits_rtol
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
 from nsa_inductor.workload import decode_batch, prefill_batch
@@ -210,12 +211,13 @@ def gpu_cases(config, layout, entry, cache_pages: int | None = None):
 
 def assert_gpu_step_close(eager_fn, batch, layout, cache, outputs) -> None:
     """The compiled step's ``cache`` and ``(logits, topk)`` against eager's on a copy of ``batch``: K-cache bytes
-    within the reordered passes' bound, logits to the contract, top-k sets identical in >= 99 % of rows."""
+    within the reordered passes' bound, logits to the contract (with its allowance for moved keys), top-k sets
+    identical in >= 99 % of rows."""
     eager = batch.clone()
     logits, topk = eager_fn(*eager.args)
     c_logits, c_topk = outputs
-    assert_k_cache_matches(eager.kv_cache, cache, batch.slot_mapping, layout)
-    assert_logits_close(c_logits, logits)
+    moved = assert_k_cache_matches(eager.kv_cache, cache, batch.slot_mapping, layout)
+    assert_logits_close(c_logits, logits, logits_rtol(1e-3, moved))
     _assert_same_sets(topk, c_topk, 0.99)
 
 
