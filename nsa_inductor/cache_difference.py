@@ -79,6 +79,11 @@ def k_cache_difference(layout: KCacheLayout, expected: torch.Tensor, actual: tor
             "furthest_slot": int(slots[of_bound.amax(-1).argmax()]) if slots.numel() else -1}
 
 
+def changed_slots(layout: KCacheLayout, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """The slots of a K cache of ``layout`` in which any byte of ``after`` differs from ``before``, ascending."""
+    return layout.slots_of_bytes((before != after).view(-1).nonzero().squeeze(1)).unique()
+
+
 def k_cache_problems(layout: KCacheLayout, expected: torch.Tensor, actual: torch.Tensor, slots: torch.Tensor,
                      fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[list[str], dict[str, float | int]]:
     """Where ``actual``'s slots ``slots`` leave the bound above around ``expected``'s (empty: within it), and their
@@ -95,8 +100,8 @@ def k_cache_problems(layout: KCacheLayout, expected: torch.Tensor, actual: torch
         problems.append(f"{diff['values_differing']} of {diff['values_compared']} fp8 values differ (allowed "
                         f"{values_allowed})")
     if diff["max_of_bound"] > 1:
-        problems.append(f"a value of slot {diff['furthest_slot']} is {diff['max_of_bound']:g} times its bound away (the "
-                        f"bound: {MAX_STEPS} steps of the fp8 grid at its magnitude or {MAX_ERROR:g} scale unit, "
+        problems.append(f"a value of slot {diff['furthest_slot']} is {diff['max_of_bound']:g} times its bound away "
+                        f"(the bound: {MAX_STEPS} steps of the fp8 grid at its magnitude or {MAX_ERROR:g} scale unit, "
                         f"whichever is more)")
     facts = ", ".join(f"{k}={v:g}" for k, v in diff.items())
     return [f"{problem} ({facts})" for problem in problems], diff

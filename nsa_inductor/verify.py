@@ -34,7 +34,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from .cache_difference import MOVED_KEYS_LOGITS_RTOL, k_cache_problems, logits_rtol
+from .cache_difference import MOVED_KEYS_LOGITS_RTOL, changed_slots, k_cache_problems, logits_rtol
 from .capability import LayoutDecision, cache_layout, capability
 from .layout import TOKEN_BYTES, KCacheLayout
 
@@ -92,10 +92,7 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
                 problems += _compare_input(name, old, want, new)
         rtol = max([logits_rtol(LOGITS_RTOL, diff) for diff in moved], default=LOGITS_RTOL)
         got_flat, _ = tree_flatten(got)
-        tie_rtol = MOVED_KEYS_LOGITS_RTOL if rtol > LOGITS_RTOL else TOPK_TIE_RTOL
-        topk_logits = {i: None if node is None
-                       else (got_flat[outputs.index(_topk_source(node))], TOPK_TIE_RTOL)
-                       if _topk_source(node) in outputs else (recorder.inputs.get(node), tie_rtol)
+        topk_logits = {i: _topk_logits(node, outputs, got_flat, recorder.inputs, rtol > LOGITS_RTOL)
                        for i, node in topk_outputs.items()}
         problems = _compare_outputs(expected, got, topk_logits, rtol) + problems
         if problems:
@@ -148,6 +145,19 @@ def _largest_along_last(topk: torch.fx.Node) -> bool:
     rank = getattr(source.meta.get("example_value"), "ndim", None) if isinstance(source, torch.fx.Node) else None
     dim = params.get("dim", -1)
     return params.get("largest", True) is True and isinstance(dim, int) and rank is not None and dim in (-1, rank - 1)
+
+
+def _topk_logits(topk: torch.fx.Node | None, outputs: list, got: list, recorded: dict, keys_moved: bool
+                 ) -> tuple[torch.Tensor, float] | None:
+    """The logits a top-k output's columns are checked against, with the tolerance of a near tie: the compiled
+    graph's where ``topk``'s source is an output too, else the reference run's (``recorded``), whose logits differ
+    from the compiled ones by a moved key's share where ``keys_moved``; None: compared as sets."""
+    if topk is None:
+        return None
+    source = _topk_source(topk)
+    if source in outputs:
+        return got[outputs.index(source)], TOPK_TIE_RTOL
+    return recorded.get(topk), MOVED_KEYS_LOGITS_RTOL if keys_moved else TOPK_TIE_RTOL
 
 
 class _TopkInputs(torch.fx.Interpreter):
@@ -232,8 +242,7 @@ def _compare_cache(what: str, layout: KCacheLayout, fp8_dtype: torch.dtype, old:
     """A K cache where sums may be reordered: the slots the compiled graph changed are among those the reference
     wrote, which keep the bound of :func:`.cache_difference.k_cache_problems`; and their difference (None: the
     compiled graph wrote outside them)."""
-    slots = layout.slots_of_bytes((~_same(old, want)).view(-1).nonzero().squeeze(1)).unique()
-    changed = layout.slots_of_bytes((~_same(old, new)).view(-1).nonzero().squeeze(1)).unique()
+    slots, changed = changed_slots(layout, old, want), changed_slots(layout, old, new)
     outside = changed[~torch.isin(changed, slots)]
     if outside.numel():
         return [f"{what} changed {outside.numel()} slot(s) of layout {layout} the unrewritten graph left unchanged, "
@@ -290,9 +299,10 @@ def _near_ties(what: str, r: int, logits: torch.Tensor, want: list[int], have: l
     each column in one of the two and not the other within ``tie_rtol`` (of the row's largest finite magnitude) of
     the row's k-th value in ``logits``."""
     w_cols, h_cols = [c for c in want if c >= 0], [c for c in have if c >= 0]
-    if len(h_cols) != len(w_cols) or any(c >= len(logits) for c in h_cols):
-        return (f"{what}: row {r} has {len(h_cols)} columns (the rest -1), expected {len(w_cols)}"
-                if len(h_cols) != len(w_cols) else f"{what}: row {r} has a column past the {len(logits)} logits")
+    if len(h_cols) != len(w_cols):
+        return f"{what}: row {r} has {len(h_cols)} columns (the rest -1), expected {len(w_cols)}"
+    if any(c >= len(logits) for c in h_cols):
+        return f"{what}: row {r} has a column past the {len(logits)} logits"
     added, dropped = sorted(set(h_cols) - set(w_cols)), sorted(set(w_cols) - set(h_cols))
     if not added:
         return None

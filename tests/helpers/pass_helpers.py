@@ -104,14 +104,13 @@ def assert_k_cache_matches(expected, actual, slots, layout=None) -> dict | None:
     summation order (``nsa_inductor.cache_difference``, docs/numerics.md); every other byte is identical. Returns
     the written slots' difference (None: the caches are equal). ``layout``: default row-major pages of the cache's
     row size."""
-    from nsa_inductor.cache_difference import k_cache_problems
+    from nsa_inductor.cache_difference import changed_slots, k_cache_problems
     from nsa_inductor.layout import KCacheLayout, TOKEN_BYTES
 
     if torch.equal(expected, actual):
         return None
     layout = layout or KCacheLayout(expected.shape[1] // TOKEN_BYTES)
-    differ = (expected != actual).view(-1).nonzero().squeeze(1)
-    unwritten = set(layout.slots_of_bytes(differ).unique().tolist()) - set(slots.tolist())
+    unwritten = set(changed_slots(layout, expected, actual).tolist()) - set(slots.tolist())
     assert not unwritten, f"slots the step did not write differ: {sorted(unwritten)[:8]}"
     problems, diff = k_cache_problems(layout, expected, actual, slots)
     assert not problems, problems
