@@ -12,12 +12,13 @@ ones. Compared, per docs/numerics.md's contract:
 - float outputs: the same NaN and ±inf positions, and a norm-wise relative error of at most ``LOGITS_RTOL`` over the
   finite entries;
 - top-k index outputs (an output computed from ``topk``'s indices): no column twice in a row; where the output holds
-  the columns themselves (through masking, casts and views), the same number of ``-1`` entries per row, and every
-  column that differs from the reference's a near tie of the row's k-th value in the logits ``topk`` read: the
-  compiled graph's where they are an output too (within ``TOPK_TIE_RTOL`` of the row's largest finite magnitude),
-  else the reference's (within ``MOVED_KEYS_LOGITS_RTOL`` of it where K values moved, as a moved key's logits
-  may); else (columns shifted by an offset, or NaN in the row) the same set per row, except that up to
-  ``TOPK_ROW_FRACTION`` of a row's entries (at least one) may differ; other outputs: equal.
+  the columns (through masking, casts and views, or shifted by one offset a row, which the reference run shows and
+  verify adds back), the same number of ``-1`` entries per row, and every column that differs from the reference's
+  a near tie of the row's k-th value in the logits ``topk`` read: the compiled graph's where they are an output too
+  (within ``TOPK_TIE_RTOL`` of the row's largest finite magnitude), else the reference's (within
+  ``MOVED_KEYS_LOGITS_RTOL`` of it where K values moved, as a moved key's logits may); else (NaN in the row, or
+  another shift) the same set per row, except that up to ``TOPK_ROW_FRACTION`` of a row's entries (at least one)
+  may differ; other outputs: equal.
 
 A mismatch raises :class:`VerifyError` naming the graph, the passes that fired and the first differing elements.
 Costs, on the verified calls only: the graph runs twice, and every tensor input is cloned twice (the K cache
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx
@@ -79,7 +80,7 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
         left[0] -= 1
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        recorder = _TopkInputs(reference, {node for node in topk_outputs.values() if node is not None})
+        recorder = _TopkRun(reference, {found[0] for found in topk_outputs.values() if found is not None})
         expected = recorder.run(*ref_args)
         got = compiled(*args)
         problems, moved = [], []
@@ -92,9 +93,10 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
                 problems += _compare_input(name, old, want, new)
         rtol = max([logits_rtol(LOGITS_RTOL, diff) for diff in moved], default=LOGITS_RTOL)
         got_flat, _ = tree_flatten(got)
-        topk_logits = {i: _topk_logits(node, outputs, got_flat, recorder.inputs, rtol > LOGITS_RTOL)
-                       for i, node in topk_outputs.items()}
-        problems = _compare_outputs(expected, got, topk_logits, rtol) + problems
+        want_flat, _ = tree_flatten(expected)
+        topk_checks = {i: _topk_check(found, outputs, got_flat, want_flat[i], recorder, rtol > LOGITS_RTOL)
+                       for i, found in topk_outputs.items()}
+        problems = _compare_outputs(expected, got, topk_checks, rtol) + problems
         if problems:
             raise VerifyError(f"nsa.verify: compiled graph {graph_name} differs from the unrewritten graph: "
                               f"{'; '.join(problems[:4])}. Passes that fired: {', '.join(fired) or 'none'}. "
@@ -104,13 +106,13 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
     return run
 
 
-def _topk_outputs(gm: torch.fx.GraphModule) -> dict[int, torch.fx.Node | None]:
+def _topk_outputs(gm: torch.fx.GraphModule) -> dict[int, tuple[torch.fx.Node, bool] | None]:
     """The flat outputs computed from ``topk``'s indices (through masking, casts, views and offsets), by position:
-    the ``topk`` node where the output holds its columns themselves and ``topk`` takes the largest along the last
-    dimension, else None."""
+    the ``topk`` node and whether an offset was added or subtracted on the way, where ``topk`` takes the largest
+    along the last dimension, else None."""
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     flat, _ = tree_flatten(output.args[0])
-    found: dict[int, torch.fx.Node | None] = {}
+    found: dict[int, tuple[torch.fx.Node, bool] | None] = {}
     for i, node in enumerate(flat):
         frontier, seen = [(node, False)], set()
         while frontier:
@@ -120,7 +122,7 @@ def _topk_outputs(gm: torch.fx.GraphModule) -> dict[int, torch.fx.Node | None]:
             seen.add(cur)
             name = _op_name(cur)
             if name == "topk":
-                found[i] = None if shifted or not _largest_along_last(cur) else cur
+                found[i] = (cur, shifted) if _largest_along_last(cur) else None
                 break
             if cur.op in ("call_function", "call_method") and name in _TOPK_PATH_OPS:
                 frontier += [(a, shifted or name not in _COLUMN_PATH_OPS) for a in cur.args
@@ -147,37 +149,77 @@ def _largest_along_last(topk: torch.fx.Node) -> bool:
     return params.get("largest", True) is True and isinstance(dim, int) and rank is not None and dim in (-1, rank - 1)
 
 
-def _topk_logits(topk: torch.fx.Node | None, outputs: list, got: list, recorded: dict, keys_moved: bool
-                 ) -> tuple[torch.Tensor, float] | None:
-    """The logits a top-k output's columns are checked against, with the tolerance of a near tie: the compiled
-    graph's where ``topk``'s source is an output too, else the reference run's (``recorded``), whose logits differ
-    from the compiled ones by a moved key's share where ``keys_moved``; None: compared as sets."""
-    if topk is None:
+class _TopkCheck(NamedTuple):
+    """How a top-k output is compared: the logits its ``topk`` read, the tolerance of a near tie, and the amount
+    each row was shifted by from ``topk``'s indices (None: not shifted)."""
+
+    logits: torch.Tensor
+    tie_rtol: float
+    shift: torch.Tensor | None
+
+
+def _topk_check(found: tuple[torch.fx.Node, bool] | None, outputs: list, got: list, want: Any,
+                recorder: _TopkRun, keys_moved: bool) -> _TopkCheck | None:
+    """The logits a top-k output's columns are checked against: the compiled graph's where ``topk``'s source is an
+    output too, else the reference run's, whose logits differ from the compiled ones by a moved key's share where
+    ``keys_moved``; for an output shifted by an offset, the reference's shift per row. None: compared as sets."""
+    if found is None:
         return None
+    topk, shifted = found
+    shift = None
+    if shifted:
+        shift = _row_shift(want, recorder.indices[topk]) if isinstance(want, torch.Tensor) else None
+        if shift is None:
+            return None
     source = _topk_source(topk)
     if source in outputs:
-        return got[outputs.index(source)], TOPK_TIE_RTOL
-    return recorded.get(topk), MOVED_KEYS_LOGITS_RTOL if keys_moved else TOPK_TIE_RTOL
+        return _TopkCheck(got[outputs.index(source)], TOPK_TIE_RTOL, shift)
+    return _TopkCheck(recorder.inputs[topk], MOVED_KEYS_LOGITS_RTOL if keys_moved else TOPK_TIE_RTOL, shift)
 
 
-class _TopkInputs(torch.fx.Interpreter):
-    """Runs the reference graph and keeps the tensor each of ``nodes`` (``topk`` calls) reads."""
+def _row_shift(output: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+    """``indices - output`` per row of a top-k output, over its entries other than ``-1`` (0 where all are), or None
+    where that is not one number a row (the output is not ``topk``'s indices shifted by a per-row offset)."""
+    if output.shape != indices.shape or output.dim() == 0 or output.shape[-1] == 0:
+        return None
+    out, idx = output.reshape(-1, output.shape[-1]).long(), indices.reshape(-1, indices.shape[-1]).long()
+    kept, diff = out != -1, idx - out
+    lowest = diff.masked_fill(~kept, torch.iinfo(torch.int64).max).amin(-1)
+    highest = diff.masked_fill(~kept, torch.iinfo(torch.int64).min).amax(-1)
+    rows = kept.any(-1)
+    if not torch.equal(lowest[rows], highest[rows]):
+        return None
+    return torch.where(rows, lowest, 0)
+
+
+def _unshifted(output: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """A shifted top-k output's columns (``-1`` entries kept)."""
+    rows = output.reshape(-1, output.shape[-1]).long()
+    return torch.where(rows != -1, rows + shift.to(rows.device)[:, None], -1).reshape(output.shape)
+
+
+class _TopkRun(torch.fx.Interpreter):
+    """Runs the reference graph and keeps, for each of ``nodes`` (``topk`` calls), the tensor it reads and the
+    indices it returns."""
 
     def __init__(self, gm: torch.fx.GraphModule, nodes: set[torch.fx.Node]):
         super().__init__(gm)
-        self.nodes, self.inputs = nodes, {}
+        self.nodes, self.inputs, self.indices = nodes, {}, {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n in self.nodes:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             self.inputs[n] = args[0] if args else kwargs.get("input")
-        return super().run_node(n)
+        result = super().run_node(n)
+        if n in self.nodes:
+            self.indices[n] = result[1]
+        return result
 
 
-def _compare_outputs(expected: Any, got: Any, topk_logits: dict[int, tuple[torch.Tensor, float] | None],
+def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck | None],
                      rtol: float = LOGITS_RTOL) -> list[str]:
-    """``topk_logits``: the top-k index outputs by position, each with the logits its ``topk`` read and the
-    tolerance of a near tie (None: compared as sets); ``rtol``: float outputs' tolerance."""
+    """``topk_checks``: the top-k index outputs by position, each with how it is compared (None: as sets);
+    ``rtol``: float outputs' tolerance."""
     want, _ = tree_flatten(expected)
     have, _ = tree_flatten(got)
     if len(want) != len(have):
@@ -192,8 +234,14 @@ def _compare_outputs(expected: Any, got: Any, topk_logits: dict[int, tuple[torch
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
             problems += _compare_float(what, w, h, rtol)
-        elif i in topk_logits and w.dim() >= 1:
-            problems += _compare_topk(what, w, h, *(topk_logits[i] or ()))
+        elif i in topk_checks and w.dim() >= 1:
+            check = topk_checks[i]
+            if check is None:
+                problems += _compare_topk(what, w, h)
+                continue
+            if check.shift is not None:  # compared as the columns they were shifted from
+                w, h = _unshifted(w, check.shift), _unshifted(h, check.shift)
+            problems += _compare_topk(what, w, h, check.logits, check.tie_rtol)
         elif not torch.equal(w, h):
             problems.append(_first_difference(what, w, h))
     return problems

@@ -58,22 +58,28 @@ class FlipCacheBits(GraphPass):
 
 
 class OneFarColumn(GraphPass):
-    """Wrong on purpose: each row's first top-k entry replaced by the row's smallest logit's column (one of k)."""
+    """Wrong on purpose: each row's first top-k entry replaced by the row's smallest logit's column (one of k), less
+    the row's offset where the op has one (a prefill's output is column minus the sequence's first token)."""
 
     name = "wrong_topk_column"
 
     def __call__(self, graph, ctx=None):
         result = PassResult()
         for node in list(graph.find_nodes(op="call_function", target=torch.ops.nsa.topk_indices.default)):
-            logits = node.args[0]
+            logits, offset = node.args[0], node.args[3]
             with graph.inserting_before(node.next):
                 smallest = graph.call_function(aten.argmin.default, (logits, -1, True))
-                column = graph.call_function(torch.ops.prims.convert_element_type.default, (smallest, torch.int32))
+                shifted = smallest if offset is None else graph.call_function(
+                    aten.sub.Tensor, (smallest, graph.call_function(aten.unsqueeze.default, (offset, 1))))
+                column = graph.call_function(torch.ops.prims.convert_element_type.default, (shifted, torch.int32))
                 wrong = graph.call_function(aten.slice_scatter.default, (node, column, 1, 0, 1))
             node.replace_all_uses_with(wrong, delete_user_cb=lambda user: user is not wrong)
             with node.meta["val"].fake_mode:
                 smallest.meta["val"] = aten.argmin.default(logits.meta["val"], -1, True)
-                column.meta["val"] = smallest.meta["val"].to(torch.int32)
+                if offset is not None:
+                    shifted.args[1].meta["val"] = offset.meta["val"][:, None]
+                    shifted.meta["val"] = smallest.meta["val"] - shifted.args[1].meta["val"]
+                column.meta["val"] = shifted.meta["val"].to(torch.int32)
                 wrong.meta["val"] = node.meta["val"].clone()
             result.matched += 1
         return result
@@ -170,6 +176,24 @@ def test_one_far_top_k_column_is_named(monkeypatch):
     with pytest.raises(verify.VerifyError, match=r"output 1: row \d+ has column\(s\) \[\d+\] .* not near ties of "
                                                  r"the k-th value .*wrong_topk_column x1"), torch.no_grad():
         step(*batch().args)
+
+
+def test_one_far_top_k_column_in_a_prefill_is_named(monkeypatch):
+    """The same wrong entry in a prefill, whose top-k output is column minus the sequence's first token: verify
+    adds each row's offset back (read from the reference run) and finds the column far below the k-th value, where
+    set comparison alone would allow one entry of a row to differ."""
+    real = nsa_inductor.pass_manager.passes_for
+    monkeypatch.setattr(nsa_inductor.pass_manager, "passes_for", lambda options: [*real(options), OneFarColumn()])
+    torch._dynamo.reset()
+    model = Indexer(CONFIGS["deepseek_v32"], LAYOUT)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    step = torch.compile(model.prefill, backend="nsa_rocm", dynamic=False,
+                         options={"nsa.layout": "paged", "nsa.page_size": LAYOUT.page_size, "nsa.verify": True,
+                                  "fx_graph_cache": False})
+    b = prefill_batch(CONFIGS["deepseek_v32"], LAYOUT, [5, 40], seed=3, cache_pages=CACHE_SLOTS // LAYOUT.page_size)
+    with pytest.raises(verify.VerifyError, match=r"output 1: row \d+ has column\(s\) \[\d+\] .* not near ties of "
+                                                 r"the k-th value .*wrong_topk_column x1"), torch.no_grad():
+        step(*b.args)
 
 
 def test_only_the_first_calls_are_verified(monkeypatch):
@@ -334,6 +358,16 @@ def test_topk_rules_with_the_logits():
     ties = torch.zeros(1, 400)  # many equal logits: any 200 of them are a top k, though most differ from eager's
     assert verify._compare_topk("t", torch.arange(200)[None], torch.arange(200, 400)[None], ties) == []
     assert verify._compare_topk("t", torch.arange(200)[None], torch.arange(200, 400)[None]) != []  # as sets only
+
+
+def test_topk_shift_per_row():
+    indices = torch.tensor([[7, 9, 8], [2, 0, 1], [4, 5, 6]])
+    output = torch.tensor([[2, 4, -1], [2, 0, 1], [-1, -1, -1]])  # rows shifted by 5, 0, none kept (-1 fills)
+    shift = verify._row_shift(output, indices)
+    assert shift.tolist() == [5, 0, 0]
+    assert verify._unshifted(output, shift).tolist() == [[7, 9, -1], [2, 0, 1], [-1, -1, -1]]
+    assert verify._row_shift(torch.tensor([[2, 3, 3]]), indices[:1]) is None  # not one shift a row
+    assert verify._row_shift(output[:, :2], indices) is None  # not topk's shape
 
 
 def test_options():
