@@ -10,7 +10,8 @@ ones. Compared, per docs/numerics.md's contract:
   fired, K caches of the compile's layout keep :mod:`.cache_difference`'s bound on their decoded values and scales
   (no slot written that the reference left unchanged); float inputs as float outputs;
 - float outputs: the same NaN and ±inf positions, and a norm-wise relative error of at most ``LOGITS_RTOL`` over the
-  finite entries;
+  finite entries, or :func:`.cache_difference.logits_rtol` where K values moved; the logits ``topk`` reads then keep
+  ``LOGITS_RTOL`` outside the columns of as many keys as moved (each moved key moves its own column);
 - top-k index outputs (an output computed from ``topk``'s indices): no column twice in a row; where the output holds
   the columns (through masking, casts and views, or shifted by one offset a row, which the reference run shows and
   verify adds back), the same number of ``-1`` entries per row, and every column that differs from the reference's
@@ -35,7 +36,8 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from .cache_difference import MOVED_KEYS_LOGITS_RTOL, changed_slots, k_cache_problems, logits_rtol
+from .cache_difference import MOVED_KEYS_LOGITS_RTOL, changed_slots, error_outside_moved_keys, k_cache_problems, \
+    logits_rtol
 from .capability import LayoutDecision, cache_layout, capability
 from .layout import TOKEN_BYTES, KCacheLayout
 
@@ -70,6 +72,8 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
     graph_name = (report or {}).get("graph", "?")
     topk_outputs = _topk_outputs(reference)
     outputs = tree_flatten(next(n for n in reference.graph.nodes if n.op == "output").args[0])[0]
+    logits_outputs = {outputs.index(source) for found in topk_outputs.values() if found is not None
+                      for source in [_topk_source(found[0])] if source in outputs}
     input_names = [n.name for n in reference.graph.find_nodes(op="placeholder")]
     fp8_dtype = _fp8_dtype(reference)
     left = [calls]
@@ -92,11 +96,13 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
             elif isinstance(old, torch.Tensor):
                 problems += _compare_input(name, old, want, new)
         rtol = max([logits_rtol(LOGITS_RTOL, diff) for diff in moved], default=LOGITS_RTOL)
+        keys_moved = sum(diff["tokens_moved"] for diff in moved if diff)
         got_flat, _ = tree_flatten(got)
         want_flat, _ = tree_flatten(expected)
         topk_checks = {i: _topk_check(found, outputs, got_flat, want_flat[i], recorder, rtol > LOGITS_RTOL)
                        for i, found in topk_outputs.items()}
-        problems = _compare_outputs(expected, got, topk_checks, rtol) + problems
+        problems = _compare_outputs(expected, got, topk_checks, rtol, {i: keys_moved for i in logits_outputs}) \
+            + problems
         if problems:
             raise VerifyError(f"nsa.verify: compiled graph {graph_name} differs from the unrewritten graph: "
                               f"{'; '.join(problems[:4])}. Passes that fired: {', '.join(fired) or 'none'}. "
@@ -217,9 +223,10 @@ class _TopkRun(torch.fx.Interpreter):
 
 
 def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck | None],
-                     rtol: float = LOGITS_RTOL) -> list[str]:
+                     rtol: float = LOGITS_RTOL, keys_moved: dict[int, int] | None = None) -> list[str]:
     """``topk_checks``: the top-k index outputs by position, each with how it is compared (None: as sets);
-    ``rtol``: float outputs' tolerance."""
+    ``rtol``: float outputs' tolerance; ``keys_moved``: the logits outputs (``topk``'s sources) by position, each
+    with the number of keys whose K moved, outside whose columns they keep ``LOGITS_RTOL``."""
     want, _ = tree_flatten(expected)
     have, _ = tree_flatten(got)
     if len(want) != len(have):
@@ -233,7 +240,8 @@ def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck 
         elif not isinstance(h, torch.Tensor) or h.shape != w.shape or h.dtype != w.dtype:
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
-            problems += _compare_float(what, w, h, rtol)
+            problems += _compare_float(what, w, h, rtol) or \
+                _compare_outside_moved_keys(what, w, h, (keys_moved or {}).get(i))
         elif i in topk_checks and w.dim() >= 1:
             check = topk_checks[i]
             if check is None:
@@ -314,6 +322,19 @@ def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: floa
         return [f"{what}: relative error {err:.2e} over the finite entries (allowed {rtol:.3g}), largest at "
                 f"{list(index)}: {_item(have, index)}, expected {_item(want, index)}"]
     return []
+
+
+def _compare_outside_moved_keys(what: str, want: torch.Tensor, have: torch.Tensor, keys_moved: int | None
+                                ) -> list[str]:
+    """Logits (keys along the last dimension) of a step whose K moved in ``keys_moved`` keys: the error beyond
+    ``LOGITS_RTOL`` lies in those keys' columns."""
+    if not keys_moved or want.dim() == 0:
+        return []
+    error = error_outside_moved_keys(want, have, keys_moved)
+    if error <= LOGITS_RTOL:
+        return []
+    return [f"{what}: relative error {error:.2e} outside the {keys_moved} key column(s) where it is largest (allowed "
+            f"{LOGITS_RTOL:g}; {keys_moved} key(s) moved in the K cache, each moving one column)"]
 
 
 def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: torch.Tensor | None = None,

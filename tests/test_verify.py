@@ -11,6 +11,7 @@ import torch
 import nsa_inductor
 import nsa_inductor.pass_manager
 from nsa_inductor import verify
+from nsa_inductor.cache_difference import error_outside_moved_keys
 from nsa_inductor.capability import LayoutDecision
 from nsa_inductor.indexer import Indexer
 from nsa_inductor.layout import KCacheLayout
@@ -24,15 +25,18 @@ LAYOUT = LAYOUTS["paged"]
 
 
 class ScaleLogits(GraphPass):
-    """Wrong on purpose: the paged logits op's output times 1.01."""
+    """Wrong on purpose: a logits op's output (the paged one by default) times ``factor``."""
 
     name = "wrong_scale_logits"
 
+    def __init__(self, factor=1.01, op=torch.ops.nsa.paged_mqa_logits.default):
+        self.factor, self.op = factor, op
+
     def __call__(self, graph, ctx=None):
         result = PassResult()
-        for node in list(graph.find_nodes(op="call_function", target=torch.ops.nsa.paged_mqa_logits.default)):
+        for node in list(graph.find_nodes(op="call_function", target=self.op)):
             with graph.inserting_after(node):
-                scaled = graph.call_function(aten.mul.Tensor, (node, 1.01))
+                scaled = graph.call_function(aten.mul.Tensor, (node, self.factor))
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
             scaled.meta["val"] = node.meta["val"]
             result.matched += 1
@@ -132,17 +136,25 @@ def test_a_step_of_two_tokens_may_move_one_tokens_values(monkeypatch):
     assert int((b.kv_cache != eager.kv_cache).sum()) == 7
 
 
-def test_a_prefill_of_18_tokens_may_move_one_keys_logits():
+def compiled_glm5_prefill(monkeypatch, extra_pass=None):
+    """GLM-5 (small) prefill on a flat cache under nsa.verify, with ``extra_pass`` appended to the real passes."""
+    if extra_pass is not None:
+        real = nsa_inductor.pass_manager.passes_for
+        monkeypatch.setattr(nsa_inductor.pass_manager, "passes_for", lambda options: [*real(options), extra_pass])
+    torch._dynamo.reset()
+    model = Indexer(CONFIGS["glm5"], LAYOUTS["flat"])
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    return model, torch.compile(model.prefill, backend="nsa_rocm", dynamic=False,
+                                options={"nsa.layout": "flat", "nsa.page_size": 1, "nsa.verify": True,
+                                         "fx_graph_cache": False})
+
+
+def test_a_prefill_of_18_tokens_may_move_one_keys_logits(monkeypatch):
     """One of the 18 tokens has 7 values a step from eager's (wk_gate_gemm's summation order), which moves its
     key's logits: 3.6e-3 norm-wise over the step's small logits matrix, past 1e-3 but within the allowance for moved
-    keys (docs/numerics.md)."""
-    torch._dynamo.reset()
-    layout = LAYOUTS["flat"]
-    model = Indexer(CONFIGS["glm5"], layout)
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    step = torch.compile(model.prefill, backend="nsa_rocm", dynamic=False,
-                         options={"nsa.layout": "flat", "nsa.page_size": 1, "nsa.verify": True, "fx_graph_cache": False})
-    b = prefill_batch(CONFIGS["glm5"], layout, [8, 10], seed=92)
+    keys (docs/numerics.md), and all of it in that key's column."""
+    model, step = compiled_glm5_prefill(monkeypatch)
+    b = prefill_batch(CONFIGS["glm5"], LAYOUTS["flat"], [8, 10], seed=92)
     eager = b.clone()
     with torch.no_grad():
         logits, _ = step(*b.args)
@@ -150,6 +162,16 @@ def test_a_prefill_of_18_tokens_may_move_one_keys_logits():
     finite = ~e_logits.isneginf()
     error = (logits[finite].double() - e_logits[finite].double()).norm() / e_logits[finite].double().norm()
     assert 3e-3 < error < 4e-3
+    assert error_outside_moved_keys(e_logits, logits, 1) < 1e-5
+
+
+def test_logits_off_where_a_key_moved_are_named(monkeypatch):
+    """The same prefill with its logits 0.5 % off everywhere: within the norm-wise allowance for one moved key of 18
+    (1e-2), but not in that key's column alone."""
+    _, step = compiled_glm5_prefill(monkeypatch, ScaleLogits(1.005, torch.ops.nsa.mqa_logits.default))
+    with pytest.raises(verify.VerifyError, match=r"output 0: relative error \S+ outside the 1 key column\(s\) .*"
+                                                 r"wrong_scale_logits x1"), torch.no_grad():
+        step(*prefill_batch(CONFIGS["glm5"], LAYOUTS["flat"], [8, 10], seed=92).args)
 
 
 def test_wrong_logits_rewrite_is_named(monkeypatch):
@@ -216,6 +238,21 @@ def test_float_rules():
     assert "-inf positions differ, first at [0, 1]" in verify._compare_float("x", want, moved)[0]
     no_nan = want.nan_to_num(0.0)
     assert "NaN positions differ, first at [1, 0]" in verify._compare_float("x", want, no_nan)[0]
+
+
+def test_logits_error_outside_the_moved_keys():
+    """Where K moved in m keys, the logits ``topk`` reads keep 1e-3 outside the m columns where the error is largest:
+    one key's column 2 % off passes, the same error spread over every column does not."""
+    want = torch.arange(1.0, 41.0).view(4, 10)
+    want[0, 9] = float("-inf")
+    one_key = want.clone()
+    one_key[:, 3] *= 1.02
+    finite = want.isfinite()
+    spread = want * (1 + (one_key - want)[finite].norm() / want[finite].norm())  # the same error, every column
+    assert verify._compare_outside_moved_keys("x", want, one_key, 1) == []
+    assert "relative error 5.54e-03 outside the 1 key column(s)" in \
+        verify._compare_outside_moved_keys("x", want, spread, 1)[0]
+    assert verify._compare_outside_moved_keys("x", want, spread, 0) == []  # no key moved: the float rule alone
 
 
 def test_uint8_rules():
