@@ -7,6 +7,8 @@ import tempfile
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import nsa_inductor
 import nsa_inductor.pass_manager
@@ -405,6 +407,41 @@ def test_topk_shift_per_row():
     assert verify._unshifted(output, shift).tolist() == [[7, 9, -1], [2, 0, 1], [-1, -1, -1]]
     assert verify._row_shift(torch.tensor([[2, 3, 3]]), indices[:1]) is None  # not one shift a row
     assert verify._row_shift(output[:, :2], indices) is None  # not topk's shape
+
+
+@given(st.data())
+def test_shifted_topk_outputs_are_compared_as_their_columns(data):
+    """A prefill-style top-k output (columns minus the row's first visible column, -inf entries -1) in any order, or
+    with another column of the k-th value, is the reference's after its shift is added back; one entry replaced by a
+    column far below the k-th value is not."""
+    rows, cols = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 12))
+    k = data.draw(st.integers(1, cols))
+    logits = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.5, 3.0, 9.0]), min_size=cols,
+                                                      max_size=cols), min_size=rows, max_size=rows)))
+    offset = torch.tensor(data.draw(st.lists(st.integers(0, cols - 1), min_size=rows, max_size=rows)))
+    logits[torch.arange(cols)[None, :] < offset[:, None]] = float("-inf")
+    values, indices = logits.topk(k)
+    want = (indices - offset[:, None]).masked_fill(values == float("-inf"), -1)
+    have = torch.stack([row[torch.randperm(k, generator=torch.Generator().manual_seed(r))]
+                        for r, row in enumerate(want)])
+    shift = verify._row_shift(want, indices)
+    assert verify._compare_topk("t", verify._unshifted(want, shift), verify._unshifted(have, shift), logits) == []
+    tied = [(r, c) for r in range(rows) for c in range(cols) if c not in indices[r].tolist()
+            and logits[r, c] == values[r, -1] > float("-inf")]
+    if tied:  # another column of the k-th value in place of the reference's: a tie, allowed
+        r, c = tied[0]
+        swapped = want.clone()
+        swapped[r, -1] = c - offset[r]
+        assert verify._compare_topk("t", verify._unshifted(want, shift), verify._unshifted(swapped, shift),
+                                    logits) == []
+    far = [(r, c) for r in range(rows) for c in range(cols) if c not in indices[r].tolist()
+           and logits[r, c] < values[r, -1] - 1.0 and (want[r] >= 0).any()]
+    if far:
+        r, c = far[0]
+        wrong = want.clone()
+        wrong[r, int((want[r] >= 0).nonzero()[0])] = c - offset[r]
+        problems = verify._compare_topk("t", verify._unshifted(want, shift), verify._unshifted(wrong, shift), logits)
+        assert problems and f"row {r} has " in problems[0]  # (column offset - 1 reads as a -1: a count too few)
 
 
 def test_options():
