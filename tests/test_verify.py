@@ -91,18 +91,19 @@ class OneFarColumn(GraphPass):
         return result
 
 
-def compiled_decode(monkeypatch, extra_pass=None, verify_calls=True):
-    """The small reference indexer's decode under nsa.verify, with ``extra_pass`` appended to the real passes."""
+def compiled_step(monkeypatch, extra_pass=None, verify_calls=True, entry="decode", config="deepseek_v32",
+                  layout="paged"):
+    """A small reference indexer's ``entry`` under nsa.verify, with ``extra_pass`` appended to the real passes."""
     if extra_pass is not None:
         real = nsa_inductor.pass_manager.passes_for
         monkeypatch.setattr(nsa_inductor.pass_manager, "passes_for", lambda options: [*real(options), extra_pass])
     torch._dynamo.reset()
-    model = Indexer(CONFIGS["deepseek_v32"], LAYOUT)
+    model = Indexer(CONFIGS[config], LAYOUTS[layout])
     model.reset_parameters(torch.Generator().manual_seed(0))
     dump_dir = tempfile.mkdtemp(prefix="nsa-verify-")
-    options = {"nsa.layout": "paged", "nsa.page_size": LAYOUT.page_size, "nsa.dump_dir": dump_dir,
+    options = {"nsa.layout": layout, "nsa.page_size": LAYOUTS[layout].page_size, "nsa.dump_dir": dump_dir,
                "nsa.verify": verify_calls, "fx_graph_cache": False}
-    return model, torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options), \
+    return model, torch.compile(getattr(model, entry), backend="nsa_rocm", dynamic=False, options=options), \
         pathlib.Path(dump_dir)
 
 
@@ -112,7 +113,7 @@ def batch(seed=1):
 
 
 def test_agreeing_step_runs_and_returns_the_compiled_result(monkeypatch):
-    model, step, _ = compiled_decode(monkeypatch)
+    model, step, _ = compiled_step(monkeypatch)
     b = batch()
     eager = b.clone()
     with torch.no_grad():
@@ -128,7 +129,7 @@ def test_agreeing_step_runs_and_returns_the_compiled_result(monkeypatch):
 def test_a_step_of_two_tokens_may_move_one_tokens_values(monkeypatch):
     """Seven of the 258 bytes the step changes differ from eager's (2.7 %: one token's values a step apart,
     wk_gate_gemm's summation order): decoded, within the bound (docs/numerics.md), so verify returns."""
-    model, step, _ = compiled_decode(monkeypatch)
+    model, step, _ = compiled_step(monkeypatch)
     b = decode_batch(CONFIGS["deepseek_v32"], LAYOUT, [21, 24], max_len=48, seed=1425,
                      cache_pages=CACHE_SLOTS // LAYOUT.page_size)
     eager = b.clone()
@@ -138,24 +139,11 @@ def test_a_step_of_two_tokens_may_move_one_tokens_values(monkeypatch):
     assert int((b.kv_cache != eager.kv_cache).sum()) == 7
 
 
-def compiled_glm5_prefill(monkeypatch, extra_pass=None):
-    """GLM-5 (small) prefill on a flat cache under nsa.verify, with ``extra_pass`` appended to the real passes."""
-    if extra_pass is not None:
-        real = nsa_inductor.pass_manager.passes_for
-        monkeypatch.setattr(nsa_inductor.pass_manager, "passes_for", lambda options: [*real(options), extra_pass])
-    torch._dynamo.reset()
-    model = Indexer(CONFIGS["glm5"], LAYOUTS["flat"])
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    return model, torch.compile(model.prefill, backend="nsa_rocm", dynamic=False,
-                                options={"nsa.layout": "flat", "nsa.page_size": 1, "nsa.verify": True,
-                                         "fx_graph_cache": False})
-
-
 def test_a_prefill_of_18_tokens_may_move_one_keys_logits(monkeypatch):
     """One of the 18 tokens has 7 values a step from eager's (wk_gate_gemm's summation order), which moves its
     key's logits: 3.6e-3 norm-wise over the step's small logits matrix, past 1e-3 but within the allowance for moved
     keys (docs/numerics.md), and all of it in that key's column."""
-    model, step = compiled_glm5_prefill(monkeypatch)
+    model, step, _ = compiled_step(monkeypatch, entry="prefill", config="glm5", layout="flat")
     b = prefill_batch(CONFIGS["glm5"], LAYOUTS["flat"], [8, 10], seed=92)
     eager = b.clone()
     with torch.no_grad():
@@ -170,14 +158,15 @@ def test_a_prefill_of_18_tokens_may_move_one_keys_logits(monkeypatch):
 def test_logits_off_where_a_key_moved_are_named(monkeypatch):
     """The same prefill with its logits 0.5 % off everywhere: within the norm-wise allowance for one moved key of 18
     (1e-2), but not in that key's column alone."""
-    _, step = compiled_glm5_prefill(monkeypatch, ScaleLogits(1.005, torch.ops.nsa.mqa_logits.default))
+    _, step, _ = compiled_step(monkeypatch, ScaleLogits(1.005, torch.ops.nsa.mqa_logits.default), entry="prefill",
+                               config="glm5", layout="flat")
     with pytest.raises(verify.VerifyError, match=r"output 0: relative error \S+ outside the 1 key column\(s\) .*"
                                                  r"wrong_scale_logits x1"), torch.no_grad():
         step(*prefill_batch(CONFIGS["glm5"], LAYOUTS["flat"], [8, 10], seed=92).args)
 
 
 def test_wrong_logits_rewrite_is_named(monkeypatch):
-    _, step, _ = compiled_decode(monkeypatch, ScaleLogits())
+    _, step, _ = compiled_step(monkeypatch, ScaleLogits())
     with pytest.raises(verify.VerifyError) as err, torch.no_grad():
         step(*batch().args)
     message = str(err.value)
@@ -186,7 +175,7 @@ def test_wrong_logits_rewrite_is_named(monkeypatch):
 
 
 def test_write_outside_the_slots_is_named(monkeypatch):
-    _, step, _ = compiled_decode(monkeypatch, FlipCacheBits())
+    _, step, _ = compiled_step(monkeypatch, FlipCacheBits())
     expected = (r"input \w*kv_cache\w* changed \d+ slot\(s\) of layout paged\(page_size=16\) the unrewritten graph left "
                 r"unchanged.*wrong_cache_write x1")
     with pytest.raises(verify.VerifyError, match=expected), torch.no_grad():
@@ -196,7 +185,7 @@ def test_write_outside_the_slots_is_named(monkeypatch):
 def test_one_far_top_k_column_is_named(monkeypatch):
     """One entry of k in every row replaced by a column far below the k-th value: within the 1 % that set
     comparison alone would allow, but not a near tie of the logits ``topk`` read."""
-    _, step, _ = compiled_decode(monkeypatch, OneFarColumn())
+    _, step, _ = compiled_step(monkeypatch, OneFarColumn())
     with pytest.raises(verify.VerifyError, match=r"output 1: row \d+ has column\(s\) \[\d+\] .* not near ties of "
                                                  r"the k-th value .*wrong_topk_column x1"), torch.no_grad():
         step(*batch().args)
@@ -206,14 +195,7 @@ def test_one_far_top_k_column_in_a_prefill_is_named(monkeypatch):
     """The same wrong entry in a prefill, whose top-k output is column minus the sequence's first token: verify
     adds each row's offset back (read from the reference run) and finds the column far below the k-th value, where
     set comparison alone would allow one entry of a row to differ."""
-    real = nsa_inductor.pass_manager.passes_for
-    monkeypatch.setattr(nsa_inductor.pass_manager, "passes_for", lambda options: [*real(options), OneFarColumn()])
-    torch._dynamo.reset()
-    model = Indexer(CONFIGS["deepseek_v32"], LAYOUT)
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    step = torch.compile(model.prefill, backend="nsa_rocm", dynamic=False,
-                         options={"nsa.layout": "paged", "nsa.page_size": LAYOUT.page_size, "nsa.verify": True,
-                                  "fx_graph_cache": False})
+    _, step, _ = compiled_step(monkeypatch, OneFarColumn(), entry="prefill")
     b = prefill_batch(CONFIGS["deepseek_v32"], LAYOUT, [5, 40], seed=3, cache_pages=CACHE_SLOTS // LAYOUT.page_size)
     with pytest.raises(verify.VerifyError, match=r"output 1: row \d+ has column\(s\) \[\d+\] .* not near ties of "
                                                  r"the k-th value .*wrong_topk_column x1"), torch.no_grad():
@@ -221,7 +203,7 @@ def test_one_far_top_k_column_in_a_prefill_is_named(monkeypatch):
 
 
 def test_only_the_first_calls_are_verified(monkeypatch):
-    _, step, _ = compiled_decode(monkeypatch, ScaleLogits(), verify_calls=0)
+    _, step, _ = compiled_step(monkeypatch, ScaleLogits(), verify_calls=0)
     with torch.no_grad():
         step(*batch().args)  # wrong, but not verified
 
