@@ -426,8 +426,10 @@ def test_shifted_topk_outputs_are_compared_as_their_columns(data):
         assert problems and f"row {r} has " in problems[0]  # (column offset - 1 reads as a -1: a count too few)
 
 
-def test_a_missing_output_is_named():
-    """A compiled graph with fewer outputs than the reference's, the top-k's logits among the missing ones."""
+@pytest.mark.parametrize("extra, message", [((), "1 outputs, the unrewritten graph has 2"),
+                                            ((3,), "output 1 is 3, expected torch.float32 \\[3, 5\\]")])
+def test_a_missing_or_wrong_typed_output_is_named(extra, message):
+    """A compiled graph whose top-k's logits output is missing or not a tensor: a VerifyError naming it."""
     def step(x):
         logits = x * 2
         return torch.topk(logits, 2).indices, logits
@@ -435,9 +437,9 @@ def test_a_missing_output_is_named():
     traced = torch.fx.symbolic_trace(step)
     for node in traced.graph.nodes:
         node.meta["example_value"] = torch.empty(3, 5) if node.name == "mul" else None
-    run = verify.verified(lambda x: (torch.topk(x * 2, 2).indices,), verify.reference_graph(traced), 1, None, set(),
-                          LAYOUT_DECISION)
-    with pytest.raises(verify.VerifyError, match="1 outputs, the unrewritten graph has 2"):
+    run = verify.verified(lambda x: (torch.topk(x * 2, 2).indices, *extra), verify.reference_graph(traced), 1, None,
+                          set(), LAYOUT_DECISION)
+    with pytest.raises(verify.VerifyError, match=message):
         run(torch.randn(3, 5))
 
 
