@@ -14,12 +14,12 @@ ones. Compared, per docs/numerics.md's contract:
   ``LOGITS_RTOL`` outside the columns of as many keys as moved (each moved key moves its own column);
 - top-k index outputs (an output computed from ``topk``'s indices): no column twice in a row; where the output holds
   the columns (through masking, casts and views, or shifted by one offset a row, which the reference run shows and
-  verify adds back), the same number of ``-1`` entries per row, and every column that differs from the reference's
-  a near tie of the row's k-th value in the logits ``topk`` read: the compiled graph's where they are an output too
-  (within ``TOPK_TIE_RTOL`` of the row's largest finite magnitude), else the reference's (within
-  ``MOVED_KEYS_LOGITS_RTOL`` of it where K values moved, as a moved key's logits may); else (NaN in the row, or
-  another shift) the same set per row, except that up to ``TOPK_ROW_FRACTION`` of a row's entries (at least one)
-  may differ; other outputs: equal.
+  verify adds back; ``-1`` entries are fills only where a mask lies on the way), the same number of ``-1`` entries per
+  row, and every column that differs from the reference's a near tie of the row's k-th value in the logits ``topk``
+  read: the compiled graph's where they are an output too (within ``TOPK_TIE_RTOL`` of the row's largest finite
+  magnitude), else the reference's (within ``MOVED_KEYS_LOGITS_RTOL`` of it where K values moved, as a moved key's
+  logits may); else (NaN in the row, or another shift) the same set per row, except that up to ``TOPK_ROW_FRACTION``
+  of a row's entries (at least one) may differ; other outputs: equal.
 
 A mismatch raises :class:`VerifyError` naming the graph, the passes that fired and the first differing elements.
 Costs, on the verified calls only: the graph runs twice, and every tensor input is cloned twice (the K cache
@@ -47,8 +47,9 @@ TOPK_TIE_RTOL = 1e-3  # keys this close to the k-th value (relative to the row's
 # ops between ``topk`` and an output that keep its indices' values (masking writes -1, not other columns) ...
 _COLUMN_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "clone",
                     "contiguous", "getitem", "getattr", "_to_copy", "type"}
-# ... and those that shift them (a prefill's per-row offset)
+# ... and those that shift them (a prefill's per-row offset); of the first, those that write -1 entries
 _TOPK_PATH_OPS = _COLUMN_PATH_OPS | {"add", "sub"}
+_MASK_OPS = {"where", "masked_fill", "masked_fill_"}
 
 
 class VerifyError(AssertionError):
@@ -72,8 +73,8 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
     graph_name = (report or {}).get("graph", "?")
     topk_outputs = _topk_outputs(reference)
     outputs = tree_flatten(next(n for n in reference.graph.nodes if n.op == "output").args[0])[0]
-    logits_outputs = {outputs.index(source) for found in topk_outputs.values() if found is not None
-                      for source in [_topk_source(found[0])] if source in outputs}
+    logits_outputs = {outputs.index(source) for path in topk_outputs.values() if path is not None
+                      for source in [_topk_source(path.topk)] if source in outputs}
     input_names = [n.name for n in reference.graph.find_nodes(op="placeholder")]
     fp8_dtype = _fp8_dtype(reference)
     left = [calls]
@@ -84,7 +85,7 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
         left[0] -= 1
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        recorder = _TopkRun(reference, {found[0] for found in topk_outputs.values() if found is not None})
+        recorder = _TopkRun(reference, {path.topk for path in topk_outputs.values() if path is not None})
         expected = recorder.run(*ref_args)
         got = compiled(*args)
         problems, moved = [], []
@@ -99,8 +100,8 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
         keys_moved = sum(diff["tokens_moved"] for diff in moved if diff)
         got_flat, _ = tree_flatten(got)
         want_flat, _ = tree_flatten(expected)
-        topk_checks = {i: _topk_check(found, outputs, got_flat, want_flat[i], recorder, rtol > LOGITS_RTOL)
-                       for i, found in topk_outputs.items()} if len(got_flat) == len(want_flat) else {}
+        topk_checks = {i: _topk_check(path, outputs, got_flat, want_flat[i], recorder, rtol > LOGITS_RTOL)
+                       for i, path in topk_outputs.items()} if len(got_flat) == len(want_flat) else {}
         problems = _compare_outputs(expected, got, topk_checks, rtol, {i: keys_moved for i in logits_outputs}) \
             + problems
         if problems:
@@ -112,27 +113,35 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
     return run
 
 
-def _topk_outputs(gm: torch.fx.GraphModule) -> dict[int, tuple[torch.fx.Node, bool] | None]:
+class _TopkPath(NamedTuple):
+    """How an output is computed from a ``topk`` call's indices: whether an offset was added or subtracted on the
+    way, and whether a mask wrote ``-1`` entries (``where``, ``masked_fill``)."""
+
+    topk: torch.fx.Node
+    shifted: bool
+    masked: bool
+
+
+def _topk_outputs(gm: torch.fx.GraphModule) -> dict[int, _TopkPath | None]:
     """The flat outputs computed from ``topk``'s indices (through masking, casts, views and offsets), by position:
-    the ``topk`` node and whether an offset was added or subtracted on the way, where ``topk`` takes the largest
-    along the last dimension, else None."""
+    their path from ``topk`` where it takes the largest along the last dimension, else None."""
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     flat, _ = tree_flatten(output.args[0])
-    found: dict[int, tuple[torch.fx.Node, bool] | None] = {}
+    found: dict[int, _TopkPath | None] = {}
     for i, node in enumerate(flat):
-        frontier, seen = [(node, False)], set()
+        frontier, seen = [(node, False, False)], set()
         while frontier:
-            cur, shifted = frontier.pop()
+            cur, shifted, masked = frontier.pop()
             if not isinstance(cur, torch.fx.Node) or cur in seen:
                 continue
             seen.add(cur)
             name = _op_name(cur)
             if name == "topk":
-                found[i] = (cur, shifted) if _largest_along_last(cur) else None
+                found[i] = _TopkPath(cur, shifted, masked) if _largest_along_last(cur) else None
                 break
             if cur.op in ("call_function", "call_method") and name in _TOPK_PATH_OPS:
-                frontier += [(a, shifted or name not in _COLUMN_PATH_OPS) for a in cur.args
-                             if isinstance(a, torch.fx.Node)]
+                frontier += [(a, shifted or name not in _COLUMN_PATH_OPS, masked or name in _MASK_OPS)
+                             for a in cur.args if isinstance(a, torch.fx.Node)]
     return found
 
 
@@ -156,40 +165,42 @@ def _largest_along_last(topk: torch.fx.Node) -> bool:
 
 
 class _TopkCheck(NamedTuple):
-    """How a top-k output is compared: the logits its ``topk`` read, the tolerance of a near tie, and the amount
-    each row was shifted by from ``topk``'s indices (None: not shifted)."""
+    """How a top-k output is compared: the logits its ``topk`` read, the tolerance of a near tie, the amount each
+    row was shifted by from ``topk``'s indices (None: not shifted) and whether its ``-1`` entries are a mask's."""
 
     logits: torch.Tensor
     tie_rtol: float
     shift: torch.Tensor | None
+    fills: bool
 
 
-def _topk_check(found: tuple[torch.fx.Node, bool] | None, outputs: list, got: list, want: Any,
-                recorder: _TopkRun, keys_moved: bool) -> _TopkCheck | None:
+def _topk_check(path: _TopkPath | None, outputs: list, got: list, want: Any, recorder: _TopkRun,
+                keys_moved: bool) -> _TopkCheck | None:
     """The logits a top-k output's columns are checked against: the compiled graph's where ``topk``'s source is an
     output too, else the reference run's, whose logits differ from the compiled ones by a moved key's share where
     ``keys_moved``; for an output shifted by an offset, the reference's shift per row. None: compared as sets."""
-    if found is None:
+    if path is None:
         return None
-    topk, shifted = found
     shift = None
-    if shifted:
-        shift = _row_shift(want, recorder.indices[topk]) if isinstance(want, torch.Tensor) else None
+    if path.shifted:
+        shift = _row_shift(want, recorder.indices[path.topk], path.masked) if isinstance(want, torch.Tensor) else None
         if shift is None:
             return None
-    source = _topk_source(topk)
+    source = _topk_source(path.topk)
     if source in outputs and isinstance(got[outputs.index(source)], torch.Tensor):  # (else its own output's error)
-        return _TopkCheck(got[outputs.index(source)], TOPK_TIE_RTOL, shift)
-    return _TopkCheck(recorder.inputs[topk], MOVED_KEYS_LOGITS_RTOL if keys_moved else TOPK_TIE_RTOL, shift)
+        return _TopkCheck(got[outputs.index(source)], TOPK_TIE_RTOL, shift, path.masked)
+    return _TopkCheck(recorder.inputs[path.topk], MOVED_KEYS_LOGITS_RTOL if keys_moved else TOPK_TIE_RTOL, shift,
+                      path.masked)
 
 
-def _row_shift(output: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
-    """``indices - output`` per row of a top-k output, over its entries other than ``-1`` (0 where all are), or None
-    where that is not one number a row (the output is not ``topk``'s indices shifted by a per-row offset)."""
+def _row_shift(output: torch.Tensor, indices: torch.Tensor, fills: bool = True) -> torch.Tensor | None:
+    """``indices - output`` per row of a top-k output, over its entries other than ``-1`` where those are a mask's
+    (``fills``; 0 where all are), or None where that is not one number a row (the output is not ``topk``'s indices
+    shifted by a per-row offset)."""
     if output.shape != indices.shape or output.dim() == 0 or output.shape[-1] == 0:
         return None
     out, idx = output.reshape(-1, output.shape[-1]).long(), indices.reshape(-1, indices.shape[-1]).long()
-    kept, diff = out != -1, idx - out
+    kept, diff = (out != -1) | (not fills), idx - out
     lowest = diff.masked_fill(~kept, torch.iinfo(torch.int64).max).amin(-1)
     highest = diff.masked_fill(~kept, torch.iinfo(torch.int64).min).amax(-1)
     rows = kept.any(-1)
@@ -198,10 +209,10 @@ def _row_shift(output: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | No
     return torch.where(rows, lowest, 0)
 
 
-def _unshifted(output: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """A shifted top-k output's columns (``-1`` entries kept)."""
+def _unshifted(output: torch.Tensor, shift: torch.Tensor, fills: bool = True) -> torch.Tensor:
+    """A shifted top-k output's columns (its ``-1`` entries kept where they are a mask's: ``fills``)."""
     rows = output.reshape(-1, output.shape[-1]).long()
-    return torch.where(rows != -1, rows + shift.to(rows.device)[:, None], -1).reshape(output.shape)
+    return torch.where((rows != -1) | (not fills), rows + shift.to(rows.device)[:, None], -1).reshape(output.shape)
 
 
 class _TopkRun(torch.fx.Interpreter):
@@ -248,7 +259,7 @@ def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck 
                 problems += _compare_topk(what, w, h)
                 continue
             if check.shift is not None:  # compared as the columns they were shifted from
-                w, h = _unshifted(w, check.shift), _unshifted(h, check.shift)
+                w, h = _unshifted(w, check.shift, check.fills), _unshifted(h, check.shift, check.fills)
             problems += _compare_topk(what, w, h, check.logits, check.tie_rtol)
         elif not torch.equal(w, h):
             problems.append(_first_difference(what, w, h))

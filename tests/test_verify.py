@@ -391,6 +391,33 @@ def test_topk_shift_per_row():
     assert verify._row_shift(output[:, :2], indices) is None  # not topk's shape
 
 
+def test_an_unmasked_shifted_topk_output_has_no_fills():
+    """``topk(...).indices - ks`` without a mask: an entry of -1 is column ks - 1 (an -inf one, where fewer than k
+    columns are visible), not a fill. Which -inf columns fill such a row is unspecified (torch's or the kernel's), so
+    the reference may take that column where the compiled graph takes another: both are near ties of -inf."""
+    def shifted(logits, ks):
+        return torch.topk(logits, 3).indices - ks[:, None]
+
+    def masked(logits, ks):
+        values, indices = torch.topk(logits, 3)
+        return (indices - ks[:, None]).masked_fill(values == float("-inf"), -1)
+
+    for fn, fills in ((shifted, False), (masked, True)):
+        traced = torch.fx.symbolic_trace(fn)
+        for node in traced.graph.nodes:
+            node.meta["example_value"] = torch.empty(1, 6) if node.name == "logits" else None
+        assert verify._topk_outputs(traced) == {0: verify._TopkPath(
+            next(n for n in traced.graph.nodes if n.name == "topk"), True, fills)}
+    logits = torch.tensor([[float("-inf")] * 3 + [1.0] + [float("-inf")] * 2])
+    indices, want, have = torch.tensor([[3, 2, 5]]), torch.tensor([[0, -1, 2]]), torch.tensor([[0, 1, 2]])
+    shift = verify._row_shift(want, indices, fills=False)
+    assert verify._unshifted(want, shift, fills=False).tolist() == [[3, 2, 5]]
+    assert verify._compare_topk("t", verify._unshifted(want, shift, False), verify._unshifted(have, shift, False),
+                                logits) == []
+    assert "has 3 columns (the rest -1), expected 2" in verify._compare_topk(
+        "t", verify._unshifted(want, shift), verify._unshifted(have, shift), logits)[0]  # read as a mask's fill
+
+
 @given(st.data())
 def test_shifted_topk_outputs_are_compared_as_their_columns(data):
     """A prefill-style top-k output (columns minus the row's first visible column, -inf entries -1) in any order, or
