@@ -102,8 +102,7 @@ def verified(compiled: Callable, reference: torch.fx.GraphModule, calls: int, re
         want_flat, _ = tree_flatten(expected)
         topk_checks = {i: _topk_check(path, outputs, got_flat, want_flat[i], recorder, rtol > LOGITS_RTOL)
                        for i, path in topk_outputs.items()} if len(got_flat) == len(want_flat) else {}
-        problems = _compare_outputs(expected, got, topk_checks, rtol, {i: keys_moved for i in logits_outputs}) \
-            + problems
+        problems = _compare_outputs(expected, got, topk_checks, rtol, logits_outputs, keys_moved) + problems
         if problems:
             raise VerifyError(f"nsa.verify: compiled graph {graph_name} differs from the unrewritten graph: "
                               f"{'; '.join(problems[:4])}. Passes that fired: {', '.join(fired) or 'none'}. "
@@ -187,8 +186,9 @@ def _topk_check(path: _TopkPath | None, outputs: list, got: list, want: Any, rec
         if shift is None:
             return None
     source = _topk_source(path.topk)
-    if source in outputs and isinstance(got[outputs.index(source)], torch.Tensor):  # (else its own output's error)
-        return _TopkCheck(got[outputs.index(source)], TOPK_TIE_RTOL, shift, path.masked)
+    compiled_logits = got[outputs.index(source)] if source in outputs else None
+    if isinstance(compiled_logits, torch.Tensor):  # (else that output's own error)
+        return _TopkCheck(compiled_logits, TOPK_TIE_RTOL, shift, path.masked)
     return _TopkCheck(recorder.inputs[path.topk], MOVED_KEYS_LOGITS_RTOL if keys_moved else TOPK_TIE_RTOL, shift,
                       path.masked)
 
@@ -200,7 +200,8 @@ def _row_shift(output: torch.Tensor, indices: torch.Tensor, fills: bool = True) 
     if output.shape != indices.shape or output.dim() == 0 or output.shape[-1] == 0:
         return None
     out, idx = output.reshape(-1, output.shape[-1]).long(), indices.reshape(-1, indices.shape[-1]).long()
-    kept, diff = (out != -1) | (not fills), idx - out
+    kept = out != -1 if fills else torch.ones_like(out, dtype=torch.bool)
+    diff = idx - out
     lowest = diff.masked_fill(~kept, torch.iinfo(torch.int64).max).amin(-1)
     highest = diff.masked_fill(~kept, torch.iinfo(torch.int64).min).amax(-1)
     rows = kept.any(-1)
@@ -212,7 +213,8 @@ def _row_shift(output: torch.Tensor, indices: torch.Tensor, fills: bool = True) 
 def _unshifted(output: torch.Tensor, shift: torch.Tensor, fills: bool = True) -> torch.Tensor:
     """A shifted top-k output's columns (its ``-1`` entries kept where they are a mask's: ``fills``)."""
     rows = output.reshape(-1, output.shape[-1]).long()
-    return torch.where((rows != -1) | (not fills), rows + shift.to(rows.device)[:, None], -1).reshape(output.shape)
+    columns = rows + shift.to(rows.device)[:, None]
+    return (torch.where(rows != -1, columns, -1) if fills else columns).reshape(output.shape)
 
 
 class _TopkRun(torch.fx.Interpreter):
@@ -234,10 +236,11 @@ class _TopkRun(torch.fx.Interpreter):
 
 
 def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck | None],
-                     rtol: float = LOGITS_RTOL, keys_moved: dict[int, int] | None = None) -> list[str]:
+                     rtol: float = LOGITS_RTOL, logits_outputs: set[int] = frozenset(), keys_moved: int = 0
+                     ) -> list[str]:
     """``topk_checks``: the top-k index outputs by position, each with how it is compared (None: as sets);
-    ``rtol``: float outputs' tolerance; ``keys_moved``: the logits outputs (``topk``'s sources) by position, each
-    with the number of keys whose K moved, outside whose columns they keep ``LOGITS_RTOL``."""
+    ``rtol``: float outputs' tolerance; ``logits_outputs``: the positions of ``topk``'s sources, which keep
+    ``LOGITS_RTOL`` outside the columns of the ``keys_moved`` keys whose K moved."""
     want, _ = tree_flatten(expected)
     have, _ = tree_flatten(got)
     if len(want) != len(have):
@@ -252,7 +255,7 @@ def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck 
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
             problems += _compare_float(what, w, h, rtol) or \
-                _compare_outside_moved_keys(what, w, h, (keys_moved or {}).get(i))
+                (_compare_outside_moved_keys(what, w, h, keys_moved) if i in logits_outputs else [])
         elif i in topk_checks and w.dim() >= 1:
             check = topk_checks[i]
             if check is None:
@@ -335,8 +338,7 @@ def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: floa
     return []
 
 
-def _compare_outside_moved_keys(what: str, want: torch.Tensor, have: torch.Tensor, keys_moved: int | None
-                                ) -> list[str]:
+def _compare_outside_moved_keys(what: str, want: torch.Tensor, have: torch.Tensor, keys_moved: int) -> list[str]:
     """Logits (keys along the last dimension) of a step whose K moved in ``keys_moved`` keys: the error beyond
     ``LOGITS_RTOL`` lies in those keys' columns."""
     if not keys_moved or want.dim() == 0:
