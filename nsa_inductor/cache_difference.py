@@ -8,6 +8,8 @@ would let a wrong scale through (a scale one power of two off changes one or two
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layout import KCacheLayout
@@ -123,6 +125,6 @@ def error_outside_moved_keys(expected: torch.Tensor, actual: torch.Tensor, keys_
     finite = expected.isfinite()
     error = torch.where(finite, actual.double() - expected.double(), 0.0)
     reference = float(torch.where(finite, expected.double(), 0.0).norm())
-    columns = error.pow(2).reshape(-1, error.shape[-1]).sum(0)
+    columns = error.pow(2).reshape(math.prod(error.shape[:-1]), error.shape[-1]).sum(0)  # (an empty batch: no row)
     kept = columns.sort().values[: max(columns.numel() - keys_moved, 0)]
     return float(kept.sum().sqrt()) / max(reference, 1e-30)

@@ -182,14 +182,15 @@ class Indexer(nn.Module):
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``next_n = T // B`` new tokens per sequence; ``context_lens`` counts them.
+        """``next_n = T // B`` new tokens per sequence (none in an empty batch, ``B = 0``); ``context_lens`` counts
+        them.
 
         Like serving engines, the logits buffer spans ``max_model_len`` columns; keys are gathered only up to the
         block table's width (``max_pages * P``) and the rest of each row stays -inf.
         """
         c = self.config
         batch, max_pages = block_table.shape
-        next_n = x.shape[0] // batch
+        next_n = x.shape[0] // max(batch, 1)
         max_len = max_pages * self.layout.page_size
         q_fp8, weights = self.index_new_tokens(x, q_lora, positions, slot_mapping, kv_cache)
 

@@ -45,7 +45,7 @@ def _block_table(layout: KCacheLayout, seq_lens: list[int], max_pages: int, gen:
 
 
 def _cache(layout: KCacheLayout, table: torch.Tensor, cache_pages: int | None) -> torch.Tensor:
-    needed = max(int(table.max()) + 1, 1)
+    needed = int(table.max()) + 1 if table.numel() else 1
     if cache_pages is not None and cache_pages < needed:
         raise ValueError(f"cache_pages={cache_pages} is too small: the batch uses {needed} pages")
     return layout.allocate((cache_pages or needed) * layout.page_size)
@@ -69,12 +69,13 @@ def decode_batch(
 ) -> Batch:
     """``next_n`` new tokens for each sequence; its earlier ``ctx - next_n`` tokens already sit in the cache.
 
-    A sequence with ``ctx < next_n`` is a padding row: its tokens have slot -1 and see nothing. ``cache_pages`` fixes
+    A sequence with ``ctx < next_n`` is a padding row: its tokens have slot -1 and see nothing; no sequence at all is
+    an empty batch (as an idle data-parallel rank runs). ``cache_pages`` fixes
     the cache size (as a serving engine's is), so batches of different shapes share one cache shape.
     """
     gen = torch.Generator().manual_seed(seed)
     page = layout.page_size
-    max_len = max_len or max(max(context_lens), 1)
+    max_len = max_len or max([*context_lens, 1])
     max_pages = layout.num_pages(max_len)
     table = _block_table(layout, context_lens, max_pages, gen)
     cache = _cache(layout, table, cache_pages)
@@ -90,8 +91,8 @@ def decode_batch(
             positions.append(max(pos, 0))
             slots.append(int(table[b, pos // page]) * page + pos % page if pos >= 0 else -1)
     x, q_lora = _activations(config, len(context_lens) * next_n, gen)
-    batch = Batch(x, q_lora, torch.tensor(positions), torch.tensor(slots), cache, table,
-                  torch.tensor(context_lens, dtype=torch.int32))
+    batch = Batch(x, q_lora, torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long), cache,
+                  table, torch.tensor(context_lens, dtype=torch.int32))
     return Batch(*(t.to(device) for t in batch.args))
 
 
@@ -111,7 +112,7 @@ def prefill_batch(
     gen = torch.Generator().manual_seed(seed)
     page = layout.page_size
     all_lens = seq_lens + ([padding_tokens] if padding_tokens else [])
-    table = _block_table(layout, all_lens, layout.num_pages(max(max(all_lens), 1)), gen)
+    table = _block_table(layout, all_lens, layout.num_pages(max([*all_lens, 1])), gen)
     cache = _cache(layout, table, cache_pages)
     positions = [p for n in all_lens for p in range(n)]
     slots = [int(table[b, p // page]) * page + p % page for b, n in enumerate(seq_lens) for p in range(n)]

@@ -103,13 +103,14 @@ def test_prefill_of_one_sequence_is_rewritten():
 
 
 def size_batches(entry):
-    """Decode B in {1, 2, 7, 64} x next_n in {1, 2}, prefill T in {1, 5}; B=64 sequences of one page each (the
-    CACHE_SLOTS cache holds 64 pages of 16)."""
+    """Decode B in {1, 2, 7, 64} x next_n in {1, 2}, prefill T in {1, 5}, and an empty batch of each (B=0, T=0: an
+    idle data-parallel rank's step); B=64 sequences of one page each (the CACHE_SLOTS cache holds 64 pages of 16)."""
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     pages = CACHE_SLOTS // layout.page_size
     if entry == "prefill":
-        return {f"T={sum(lens)}": prefill_batch(config, layout, lens, seed=6, cache_pages=pages) for lens in ([1], [2, 3])}
-    out = {}
+        return {f"T={sum(lens)}": prefill_batch(config, layout, lens, seed=6, cache_pages=pages)
+                for lens in ([1], [2, 3], [])}
+    out = {"B=0": decode_batch(config, layout, [], max_len=48, cache_pages=pages)}
     for next_n in (1, 2):
         for b in (1, 2, 7, 64):
             lens = [(5 * i) % 15 + 2 for i in range(b)] if b == 64 else [(7 * i + 9) % 46 + 2 for i in range(b)]
@@ -129,8 +130,9 @@ def dynamic_batch(batch):
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
 @pytest.mark.parametrize("indexer", ["reference", "other"])
 def test_every_batch_size_stores_without_cache_copies(indexer, entry):
-    """Size 1 is specialised by Dynamo (its own graph, squeezed shapes); the other sizes share the dynamic graph.
-    On every graph the store is rewritten and no copy of the cache remains (report figure ``cache_copies``)."""
+    """Sizes 1 and 0 are specialised by Dynamo (graphs of their own, squeezed or empty shapes); the other sizes share
+    the dynamic graph. On every graph the store is rewritten (an empty batch's: removed, it writes nothing) and no
+    copy of the cache remains (report figure ``cache_copies``)."""
     eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", entry) if indexer == "reference" else \
         other("paged", entry)
     for name, batch in size_batches(entry).items():
@@ -138,11 +140,15 @@ def test_every_batch_size_stores_without_cache_copies(indexer, entry):
             assert (batch.slot_mapping >= 0).all(), name
         assert_matches_eager(eager_fn, compiled_fn, batch, prepare=dynamic_batch)
     graphs = reports(dump_dir)
-    assert len(graphs) >= 2, "size 1 compiles a graph of its own"
+    assert len(graphs) >= 3, "sizes 1 and 0 compile graphs of their own"
     for report in graphs:
+        assert not [p for p in report["passes"] if "error" in p], f"{report['graph']}: a pass raised"
         (store,) = [p for p in report["passes"] if p["name"] == "quant_cache_store"]
         assert store["matched"] == 1, f"{report['graph']}: {store['near_misses']}"
         assert report["cache_copies"] == 0, f"{report['graph']}: {report['cache_copy_sites']}"
+    logits_misses = [m["reason"] for report in graphs for p in report["passes"] if p["name"].endswith("mqa_logits")
+                     for m in p["near_misses"]]
+    assert any("hold no element (an empty batch)" in reason for reason in logits_misses), logits_misses
 
 
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
@@ -246,6 +252,30 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
     for report in reports(dump_dir):
         matched = rewrites(report)
         assert matched == expected, f"{report['graph']}: {report['passes']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_an_empty_batch_on_gpu(entry):
+    """An idle rank's step (B=0, T=0) at real sizes, strict: no pass raises, the Triton kernels left in the graph
+    launch empty grids, the cache is untouched and no copy of it is made."""
+    config = IndexerConfig.deepseek_v32(max_model_len=4096)
+    layout = GPU_LAYOUTS["paged"]
+    model = Indexer(config, layout).cuda()
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-gpu-empty-{entry}-"))
+    fn = getattr(model, entry)
+    step = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.strict": True,
+                                "nsa.dump_dir": str(dump_dir)})
+    pages = 8192 // layout.page_size
+    batch = decode_batch(config, layout, [], max_len=2112, device="cuda", cache_pages=pages) if entry == "decode" \
+        else prefill_batch(config, layout, [], device="cuda", cache_pages=pages)
+    comp = batch.clone()
+    with torch.no_grad():
+        assert_gpu_step_close(fn, batch, layout, comp.kv_cache, step(*comp.args))
+    assert torch.equal(comp.kv_cache, batch.kv_cache)
+    (report,) = reports(dump_dir)
+    assert rewrites(report)["quant_cache_store"] == 1 and report["cache_copies"] == 0, report
 
 
 @pytest.mark.gpu

@@ -126,6 +126,23 @@ def test_agreeing_step_runs_and_returns_the_compiled_result(monkeypatch):
     assert {p["name"]: p["matched"] for p in report["passes"]}["paged_mqa_logits"] == 1
 
 
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_an_empty_batch_is_verified(monkeypatch, entry):
+    """An idle data-parallel rank's step (no token): its compiled graph (the store removed, no logits kernel) runs
+    under verify and returns eager's empty outputs, the cache untouched."""
+    model, step, _ = compiled_step(monkeypatch, entry=entry)
+    pages = CACHE_SLOTS // LAYOUT.page_size
+    b = decode_batch(CONFIGS["deepseek_v32"], LAYOUT, [], max_len=48, cache_pages=pages) if entry == "decode" else \
+        prefill_batch(CONFIGS["deepseek_v32"], LAYOUT, [], cache_pages=pages)
+    before = b.kv_cache.clone()
+    with torch.no_grad():
+        logits, topk = step(*b.args)
+        e_logits, e_topk = getattr(model, entry)(*b.clone().args)
+    assert torch.equal(b.kv_cache, before)
+    assert (logits.shape, topk.shape, topk.dtype) == (e_logits.shape, e_topk.shape, e_topk.dtype)
+    assert {p["name"]: p["matched"] for p in nsa_inductor.last_reports()[-1]["passes"]}["quant_cache_store"] == 1
+
+
 def test_a_step_of_two_tokens_may_move_one_tokens_values(monkeypatch):
     """Seven of the 258 bytes the step changes differ from eager's (2.7 %: one token's values a step apart,
     wk_gate_gemm's summation order): decoded, within the bound (docs/numerics.md), so verify returns."""

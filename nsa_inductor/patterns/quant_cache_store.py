@@ -16,6 +16,10 @@ The layout is the guard's format with the cache's own page size (its row bytes /
 Never: other offsets, another fp8 max or floor, a scale not of the quantized values, a dynamic-shaped cache, a cache
 whose page size contradicts the guard's format (preshuffle needs multiples of 16).
 
+No token (an empty batch, decode B=0 or prefill T=0: Dynamo specialises that count too): where every write's
+index holds no element, the chain writes no byte, so the store is removed (the cache is copied back onto itself,
+which Inductor drops); layout and values need no proof then. A write that indexes anything is a near miss.
+
 Size 1 (decode B=1, prefill T=1): Dynamo specialises the token count, so the graph spells one token's rows as
 ``[128]`` / ``[]`` / ``[1, 32]``, the slot mapping may be 0-d, and K may be squeezed or expanded. The checks are
 made on a canonical form instead of more literal patterns: a statically one-token slot mapping (0-d or ``[1]``)
@@ -47,7 +51,7 @@ REINTERPRET_OPS = VIEW_OPS + (aten.view.dtype,)
 @dataclass
 class Write:
     node: torch.fx.Node  # the index_put
-    offsets: torch.Tensor  # [probe, bytes_per_token] byte offsets written for each probe slot
+    offsets: torch.Tensor | None  # [probe, bytes_per_token] byte offsets written for each probe slot (None: no token)
     masked: bool  # True: writes nothing for negative slots; False: negative slots wrap
     payload: torch.fx.Node  # the new value (before the masked delta)
 
@@ -140,6 +144,11 @@ def _slot_input(nodes: list[torch.fx.Node]) -> torch.fx.Node:
 def _one_token(slot: torch.fx.Node) -> bool:
     """The slot mapping statically holds one slot: ``[1]`` (Dynamo's size-1 specialisation) or 0-d."""
     return str(val(slot).numel()) == "1"
+
+
+def _no_tokens(slot: torch.fx.Node) -> bool:
+    """The slot mapping statically holds no slot (an empty batch)."""
+    return str(val(slot).numel()) == "0"
 
 
 def _tokens(slot: torch.fx.Node):
@@ -291,6 +300,12 @@ def _parse_writes(final: torch.fx.Node, cache: torch.fx.Node, layout: KCacheLayo
             accumulate = bool(arg(node, 3, "accumulate", False))
             indices = list(indices)
             slot = slot or _slot_input([i for i in indices if i is not None])
+            if _no_tokens(slot):
+                if None in indices or str(torch.broadcast_shapes(*(val(i).shape for i in indices)).numel()) != "0":
+                    raise NearMiss("the slot mapping holds no token, but a write into the cache indexes some place")
+                writes.append(Write(node, None, accumulate, values))
+                node = _dest_root(dest, scatters)
+                continue
             offsets = _written_offsets(dest, indices, slot, probe)
             payload = _masked_payload(values, dest, indices, slot, probe, num_slots) if accumulate else values
             index_rank = max(val(i).dim() for i in indices)
@@ -400,7 +415,8 @@ class QuantCacheStore(GraphPass):
     def finish(self, graph: torch.fx.Graph, stores: list[torch.fx.Node]) -> None:
         graph.eliminate_dead_code()
         for stored in stores:
-            _take_input_epilogue(stored)
+            if stored is not None:  # (None: an empty batch's store, removed)
+                _take_input_epilogue(stored)
         graph.eliminate_dead_code()
 
     def _rewrite(self, graph: torch.fx.Graph, cache: torch.fx.Node, final: torch.fx.Node, decision: LayoutDecision
@@ -412,6 +428,8 @@ class QuantCacheStore(GraphPass):
             raise NearMiss(str(e)) from None
         num_slots = shape[0] * layout.page_size
         writes, slot = _parse_writes(final, cache, layout, num_slots)
+        if _no_tokens(slot):
+            return _drop_empty_store(cache, final)
         value_write, scale_write = _check_offsets(writes, layout, num_slots)
         quant = _match_cached_act_quant(_strip(value_write.payload))
         if _strip(scale_write.payload) is not _strip(quant.scale):
@@ -444,6 +462,15 @@ class QuantCacheStore(GraphPass):
         # Handing the op's own output to the epilogue copy_ lets Inductor drop that copy once it reinplaces the op.
         final.replace_all_uses_with(replacement)
         return stored
+
+
+def _drop_empty_store(cache: torch.fx.Node, final: torch.fx.Node) -> None:
+    """An empty batch's store writes no byte (:func:`_parse_writes` checked every write's index): what it copies
+    back into the cache is the cache as it was."""
+    if val(final).dtype != val(cache).dtype or not same_shape(final, cache):
+        raise NearMiss(f"the slot mapping holds no token, but the value copied back is {val(final).dtype} "
+                       f"{list(val(final).shape)}, not the cache's bytes")
+    final.replace_all_uses_with(cache)
 
 
 def _take_input_epilogue(stored: torch.fx.Node) -> None:

@@ -97,7 +97,7 @@ class EngineIndexer(nn.Module):
         c = self.cfg
         q_fp8, gates = self._forward_common(x, q_lora, positions, slot_mapping, kv_cache)
         batch, max_pages = block_table.shape
-        next_n, max_len = x.shape[0] // batch, max_pages * self.page_size
+        next_n, max_len = x.shape[0] // max(batch, 1), max_pages * self.page_size
         values, scales = self._pages(kv_cache)
         col = torch.arange(max_len, device=x.device)
         page = block_table[:, col // self.page_size].long()

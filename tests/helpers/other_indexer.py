@@ -97,7 +97,7 @@ class OtherIndexer(nn.Module):
         self._write_k(x, positions, slot_mapping, kv_cache)
         q_fp8, gates = self._queries(x, q_lora, positions)
         batch, max_pages = block_table.shape
-        next_n, max_len = x.shape[0] // batch, max_pages * self.page_size
+        next_n, max_len = x.shape[0] // max(batch, 1), max_pages * self.page_size
         values, scales = self._cache_views(kv_cache)
         keys = values[block_table.long()].view(c.fp8_dtype).to(torch.float32).reshape(batch, max_len, c.head_dim)
         key_scale = scales[block_table.long()].reshape(batch, 1, max_len)

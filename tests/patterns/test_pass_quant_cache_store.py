@@ -179,6 +179,39 @@ def test_fires_exactly_on_the_idiom_and_keeps_bytes(variant):
         assert report["cache_copies"] > 0 and miss["reason"].startswith("cache arg")
 
 
+@pytest.mark.parametrize("variant", ["flat", "paged", "preshuffle", "page-views-paged", "no-duplicate-rule",
+                                     "near-miss-mirrored"])
+def test_a_store_of_no_token_is_removed(variant):
+    """An empty batch (Dynamo specialises T=0: a graph of its own) writes no byte: every write's index is empty, so
+    the store goes whatever its layout and values (also one the pass leaves alone where tokens are written, the
+    mirrored store), and no copy of the cache is left."""
+    fn, layout_name, _ = VARIANTS[variant]
+    compiled_fn, dump_dir = compile_with_dumps(
+        fn, {"nsa.layout": layout_name, "nsa.page_size": LAYOUTS[layout_name].page_size}, dynamic=False)
+    k, slots, cache = inputs(variant, 0, 0)
+    before = cache.clone()
+    compiled_fn(k, slots, cache)
+    assert torch.equal(cache, before)
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "quant_cache_store")["matched"] == 1
+    before_pass, after = pass_graphs(graph_dir, "quant_cache_store")
+    assert count_ops(before_pass, "aten.index_put") > 0
+    assert count_ops(after, "aten.index_put") == 0 and count_ops(after, "nsa.quant_cache_store") == 0
+    assert read_report(graph_dir)["cache_copies"] == 0
+
+
+def store_then_count_byte(k, slots, cache):
+    """The store, then a byte at an index computed from the slots that exists with no token too (their sum: 0)."""
+    reference_store(LAYOUTS["paged"])(k, slots, cache)
+    cache.view(-1)[slots.sum(0, keepdim=True)] = 7
+
+
+def test_a_store_of_no_token_that_writes_a_byte_elsewhere_stays():
+    k, slots, cache = inputs("paged", 0, 0)
+    assert_store_kept(store_then_count_byte, k, slots, cache, "holds no token, but a write into the cache indexes",
+                      dynamic=False)
+
+
 def test_the_rewritten_store_is_reinplaced():
     """No copy of the cache is left in the generated code: the op writes the cache input itself."""
     from torch._inductor.utils import run_and_get_code

@@ -191,6 +191,9 @@ def sample_outputs(where: torch.fx.Node, layout: KCacheLayout, leaves: set[torch
     if len(out_shape) < 2:
         raise NearMiss(f"masked logits {where.name} have rank {len(out_shape)}, expected [rows, keys]")
     keys, rows = out_shape[-1], math.prod(out_shape[:-1])
+    if rows == 0 or keys == 0:
+        raise NearMiss(f"masked logits {where.name} {list(out_shape)} hold no element (an empty batch): nothing to "
+                       f"compute")
     block_tables = [n for n in where.graph.nodes if n.op == "placeholder" and isinstance(val(n), torch.Tensor)
                     and val(n).dtype in INT_DTYPES and val(n).dim() == 2]
     batch = shape_of(block_tables[0])[0] if len(block_tables) == 1 else None
