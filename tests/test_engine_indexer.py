@@ -255,3 +255,16 @@ def test_cache_that_contradicts_the_format_is_a_near_miss(page, dynamic_rows, wo
     for name in ("quant_cache_store", "paged_mqa_logits"):
         reasons = near_miss_reasons(dump_dir, name)
         assert reasons and any(words in r for r in reasons), (name, reasons)
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_an_empty_batch_equals_eager_without_cache_copies(entry):
+    """An idle rank's step (no token), strict: no pass raises, the store is removed, no copy of the cache is made."""
+    model = engine_model(16)
+    fn = getattr(model, entry)
+    compiled_fn, dump_dir = compile_entry(fn, {"nsa.layout": "paged", "nsa.page_size": 16, "nsa.strict": True})
+    batch = engine_decode_batch(CONFIG, 16, [], next_n=1, max_len=48, cache_slots=CACHE_SLOTS, seed=1) \
+        if entry == "decode" else engine_prefill_batch(CONFIG, 16, [], padding_tokens=0, cache_slots=CACHE_SLOTS, seed=3)
+    assert_matches_eager(fn, compiled_fn, batch, prepare=static)
+    (report,) = [json.loads(p.read_text()) for p in dump_dir.glob("*/report.json")]
+    assert rewrites(report)["quant_cache_store"] == 1 and report["cache_copies"] == 0, report

@@ -205,8 +205,8 @@ def engine_decode_batch(config: IndexerConfig, page: int, context_lens: list[int
             slots.append(_slot(table, b, pos, page) if pos >= 0 else DUMMY_SLOT)
             row_lens.append(max(pos + 1, 0))
     x, q_lora = _activations(config, len(positions), gen)
-    return EngineBatch(x, q_lora, torch.tensor(positions), torch.tensor(slots), cache, table,
-                       (torch.tensor(row_lens, dtype=torch.int32),))
+    return EngineBatch(x, q_lora, torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+                       cache, table, (torch.tensor(row_lens, dtype=torch.int32),))
 
 
 def engine_prefill_batch(config: IndexerConfig, page: int, seq_lens: list[int], padding_tokens: int,
@@ -236,4 +236,5 @@ def engine_prefill_batch(config: IndexerConfig, page: int, seq_lens: list[int], 
     x, q_lora = _activations(config, len(positions), gen)
     meta = (torch.tensor(seq_ids, dtype=torch.int32), torch.tensor(ks, dtype=torch.int32),
             torch.tensor(ke, dtype=torch.int32))
-    return EngineBatch(x, q_lora, torch.tensor(positions), torch.tensor(slots), cache, table, meta)
+    return EngineBatch(x, q_lora, torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+                       cache, table, meta)
