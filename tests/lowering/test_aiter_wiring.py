@@ -188,6 +188,31 @@ def test_aiter_release_family(monkeypatch, family):
     assert ("top_k_per_row_decode" in {name for name, _ in calls}) == bool(served.get("topk_indices"))
 
 
+def test_empty_calls_do_not_reach_aiter(monkeypatch):
+    """An empty batch's op calls (no token, no row, no key) return their empty results without calling aiter, whose
+    kernels would launch empty grids; top-k as well (its adapter returned early before)."""
+    calls, routes = _simulate(monkeypatch, FAMILIES["0.1.20"])
+    gen = torch.Generator().manual_seed(3)
+    cache, block_table = random_paged_cache([5], 1, FNUZ, gen)  # flat: a layout 0.1.20 serves for both ops
+    before = cache.clone()
+    torch.ops.nsa.quant_cache_store(torch.zeros(0, 128).bfloat16(), cache, torch.zeros(0, dtype=torch.long), 1,
+                                    False, "ue8m0", FNUZ)
+    assert torch.equal(cache, before)
+    q = random_fp8((0, 1, 16, 128), FNUZ, gen)
+    got = torch.ops.nsa.paged_mqa_logits(q, cache, torch.zeros(0, 16), torch.zeros(0, dtype=torch.int32),
+                                         block_table[:0], 80, 1, False)
+    assert got.shape == (0, 80)
+    for rows, keys in ((0, 9), (6, 0)):
+        ks = torch.zeros(rows, dtype=torch.int32)
+        got = torch.ops.nsa.mqa_logits(random_fp8((rows, 16, 128), FNUZ, gen), random_fp8((keys, 128), FNUZ, gen),
+                                       torch.ones(keys), torch.zeros(rows, 16), ks, ks)
+        assert got.shape == (rows, keys)
+    assert torch.ops.nsa.topk_indices(torch.zeros(0, 4096), 2048, None).shape == (0, 2048)
+    assert {op for op, backend in routes if backend == "aiter"} == {"quant_cache_store", "paged_mqa_logits",
+                                                                    "mqa_logits", "topk_indices"}
+    assert calls == [], calls
+
+
 def test_aiter_paged_logits_leave_the_masked_columns(monkeypatch):
     """``write_masked=False`` through aiter: the columns each row sees are the reference's, and the -inf fill after
     aiter's call (a pass over the whole output) is not made: past the chunks aiter visits (256 columns), what the

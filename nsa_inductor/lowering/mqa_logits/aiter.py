@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from .._aiter_common import import_first
 
 
@@ -19,5 +21,8 @@ def _ragged_logits_fn():
 
 
 def mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, write_masked=True):
-    """Every element: aiter's ``clean_logits`` masks [0, ks) and [ke, N) together (``write_masked`` saves nothing)."""
+    """Every element: aiter's ``clean_logits`` masks [0, ks) and [ke, N) together (``write_masked`` saves nothing).
+    No row or no key: no call (aiter's kernel would launch an empty grid)."""
+    if q_fp8.shape[0] == 0 or k_fp8.shape[0] == 0:
+        return torch.empty(q_fp8.shape[0], k_fp8.shape[0], dtype=torch.float32, device=q_fp8.device)
     return _ragged_logits_fn()(q_fp8, k_fp8, k_scale, weights, ks, ke).contiguous()

@@ -30,6 +30,8 @@ def paged_mqa_logits(q_fp8, cache, weights, context_lens, block_table, max_len, 
     weights = head_weights(weights, weights_factor, weight_scale)
     batch, next_n = q_fp8.shape[:2]
     out = torch.empty(batch * next_n, max_len, dtype=torch.float32, device=q_fp8.device)
+    if out.numel() == 0:  # an empty batch: no call (aiter's kernel would launch an empty grid)
+        return out
     _paged_logits_fn()(
         q_fp8,
         kv_cache(cache, page_size, q_fp8.dtype, 1),

@@ -22,7 +22,9 @@ def quant_cache_store(k, cache, slot_mapping, page_size, preshuffle, scale_fmt, 
     """aiter quantizes the values as given: the input epilogue runs in torch before it. A call with a prologue
     (rotation, RoPE, rounding, LayerNorm, split-K sum) goes to the Triton kernel (``capability.aiter_refusal``); here
     they would run in torch too. Slots it must not write (out of range, earlier duplicates: docs/indices.md) are given
-    as -1, which it skips."""
+    as -1, which it skips. No token (an empty batch): no call (aiter's kernel would launch an empty grid)."""
+    if slot_mapping.numel() == 0:
+        return
     k = prologue_rows(k, rope_cos, rope_sin, positions, rope_interleaved, round_k, ln_weight, ln_bias, ln_eps,
                       k_split_sum)
     slots = slot_mapping.long()
