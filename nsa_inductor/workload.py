@@ -70,8 +70,8 @@ def decode_batch(
     """``next_n`` new tokens for each sequence; its earlier ``ctx - next_n`` tokens already sit in the cache.
 
     A sequence with ``ctx < next_n`` is a padding row: its tokens have slot -1 and see nothing; no sequence at all is
-    an empty batch (as an idle data-parallel rank runs). ``cache_pages`` fixes
-    the cache size (as a serving engine's is), so batches of different shapes share one cache shape.
+    an empty batch (as an idle data-parallel rank runs). ``cache_pages`` fixes the cache size (as a serving engine's
+    is), so batches of different shapes share one cache shape.
     """
     gen = torch.Generator().manual_seed(seed)
     page = layout.page_size
