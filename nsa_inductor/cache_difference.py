@@ -118,6 +118,11 @@ def logits_rtol(rtol: float, diff: dict[str, float | int] | None) -> float:
     return rtol + MOVED_KEYS_LOGITS_RTOL * (diff["tokens_moved"] / diff["tokens_compared"]) ** 0.5
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, last dim]`` (also where either is 0: an empty batch)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def error_outside_moved_keys(expected: torch.Tensor, actual: torch.Tensor, keys_moved: int) -> float:
     """The norm-wise relative error of logits ``actual`` (keys along the last dimension) over the entries finite in
     ``expected``, leaving out the ``keys_moved`` key columns where it is largest: a key whose K moved moves only its
@@ -125,6 +130,6 @@ def error_outside_moved_keys(expected: torch.Tensor, actual: torch.Tensor, keys_
     finite = expected.isfinite()
     error = torch.where(finite, actual.double() - expected.double(), 0.0)
     reference = float(torch.where(finite, expected.double(), 0.0).norm())
-    columns = error.pow(2).reshape(math.prod(error.shape[:-1]), error.shape[-1]).sum(0)  # (an empty batch: no row)
+    columns = as_rows(error.pow(2)).sum(0)
     kept = columns.sort().values[: max(columns.numel() - keys_moved, 0)]
     return float(kept.sum().sqrt()) / max(reference, 1e-30)

@@ -36,8 +36,8 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from .cache_difference import MOVED_KEYS_LOGITS_RTOL, changed_slots, error_outside_moved_keys, k_cache_problems, \
-    logits_rtol
+from .cache_difference import MOVED_KEYS_LOGITS_RTOL, as_rows, changed_slots, error_outside_moved_keys, \
+    k_cache_problems, logits_rtol
 from .capability import LayoutDecision, cache_layout, capability
 from .layout import TOKEN_BYTES, KCacheLayout
 
@@ -193,18 +193,13 @@ def _topk_check(path: _TopkPath | None, outputs: list, got: list, want: Any, rec
                       path.masked)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, last dim]`` (also where either is 0: an empty batch)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
-
-
 def _row_shift(output: torch.Tensor, indices: torch.Tensor, fills: bool = True) -> torch.Tensor | None:
     """``indices - output`` per row of a top-k output, over its entries other than ``-1`` where those are a mask's
     (``fills``; 0 where all are), or None where that is not one number a row (the output is not ``topk``'s indices
     shifted by a per-row offset)."""
     if output.shape != indices.shape or output.dim() == 0 or output.shape[-1] == 0:
         return None
-    out, idx = _rows(output).long(), _rows(indices).long()
+    out, idx = as_rows(output).long(), as_rows(indices).long()
     kept = out != -1 if fills else torch.ones_like(out, dtype=torch.bool)
     diff = idx - out
     lowest = diff.masked_fill(~kept, torch.iinfo(torch.int64).max).amin(-1)
@@ -217,7 +212,7 @@ def _row_shift(output: torch.Tensor, indices: torch.Tensor, fills: bool = True) 
 
 def _unshifted(output: torch.Tensor, shift: torch.Tensor, fills: bool = True) -> torch.Tensor:
     """A shifted top-k output's columns (its ``-1`` entries kept where they are a mask's: ``fills``)."""
-    rows = _rows(output).long()
+    rows = as_rows(output).long()
     columns = rows + shift.to(rows.device)[:, None]
     return (torch.where(rows != -1, columns, -1) if fills else columns).reshape(output.shape)
 
@@ -357,10 +352,10 @@ def _compare_outside_moved_keys(what: str, want: torch.Tensor, have: torch.Tenso
 
 def _compare_topk(what: str, want: torch.Tensor, have: torch.Tensor, logits: torch.Tensor | None = None,
                   tie_rtol: float = TOPK_TIE_RTOL) -> list[str]:
-    rows_w, rows_h = _rows(want).tolist(), _rows(have).tolist()
+    rows_w, rows_h = as_rows(want).tolist(), as_rows(have).tolist()
     rows_l = None
     if logits is not None and logits.dim() >= 1 and logits.numel() // max(logits.shape[-1], 1) == len(rows_w):
-        rows_l = _rows(logits.detach()).double().cpu()
+        rows_l = as_rows(logits.detach()).double().cpu()
     k = want.shape[-1]
     allowed = max(1, math.floor(TOPK_ROW_FRACTION * k))
     for r, (w_row, h_row) in enumerate(zip(rows_w, rows_h)):
