@@ -2,6 +2,7 @@
 wk_gate_gemm's summation order), logits, masks, top-k sets."""
 
 import ast
+import dataclasses
 import functools
 import json
 import pathlib
@@ -9,6 +10,7 @@ import tempfile
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from nsa_inductor.indexer import Indexer, IndexerConfig
 from nsa_inductor.layout import KCacheLayout
@@ -340,6 +342,51 @@ def test_compiled_decode_replayed_in_a_cuda_graph_equals_eager():
             assert_gpu_step_close(eager_fn, batch, layout, static.kv_cache, (c_logits, c_topk))
     for report in reports(dump_dir):
         assert {p["name"]: p["matched"] for p in report["passes"]}["side_stream"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+def test_cudagraph_trees_serve_steps_of_every_size(entry):
+    """As the README serves a step: ``triton.cudagraphs``, one K cache marked static for every step, batches of
+    changing sizes (one token, and an idle rank's empty step that writes nothing, among them; sizes seen again are
+    replayed): each step's outputs and cache bytes are the uncaptured compiled step's, bit for bit (its agreement
+    with eager: the tests above), and Inductor skips no graph (a host sync, or a written input that is not the
+    static cache, would make it run the step uncaptured)."""
+    torch._dynamo.reset()
+    counters.clear()
+    config, layout = IndexerConfig.deepseek_v32(max_model_len=4096), GPU_LAYOUTS["paged"]
+    model = Indexer(config, layout).cuda()
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    fn = getattr(model, entry)
+    # (pad_mm forced, as in compiled_gpu: both compiles pad the same GEMMs, whatever its benchmark says)
+    options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "force_shape_pad": True}
+    uncaptured = compile_indexer(fn, options)
+    captured = torch.compile(fn, backend="nsa_rocm", options={**options, "triton.cudagraphs": True})
+    pages = 1088  # the B=64 batch's contexts
+    if entry == "decode":
+        sizes = ([700, 5, 33], [], [2049], [1 + 31 * i for i in range(64)], [17, 2048, 300], [], [9, 4, 1000])
+        batches = [decode_batch(config, layout, lens, max_len=2112, seed=seed, device="cuda", cache_pages=pages)
+                   for seed, lens in enumerate(sizes)]
+    else:
+        sizes = ([300, 17], [], [1], [129, 64, 3], [40, 250], [], [1])
+        batches = [prefill_batch(config, layout, lens, seed=seed, device="cuda", cache_pages=pages)
+                   for seed, lens in enumerate(sizes)]
+    cache = batches[0].kv_cache.clone()
+    torch._dynamo.mark_static_address(cache)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                cache.copy_(batch.kv_cache)
+                logits, topk = captured(*dataclasses.replace(batch, kv_cache=cache).args)
+                want = batch.clone()
+                want_logits, want_topk = uncaptured(*want.args)
+                assert torch.equal(cache, want.kv_cache), f"{len(batch.lens)}: cache bytes differ"
+                assert torch.equal(logits, want_logits) and torch.equal(topk, want_topk), f"{len(batch.lens)}"
+                if not batch.slot_mapping.numel():
+                    assert torch.equal(cache, batch.kv_cache), "an empty step wrote the cache"
+    finally:
+        torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.gpu
