@@ -12,9 +12,9 @@ settings.register_profile("fuzz", settings.get_profile("nsa"), derandomize=False
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nsa"))
 
 
-# CPU tests that torch before 2.13 (2.11, the GPU machine's) fails through its own Inductor, which default Inductor
-# fails the same way (checked with `-m "not gpu"` there, 2026-12-07): expected failures there, strict, so that a
-# release that changes is noticed. Never on GPUs: Triton's kernels keep these roundings (the GPU tests).
+# CPU tests that torch before 2.13 (2.11, the GPU machine's) fails through its own Inductor (default Inductor fails
+# one test of each kind the same way; found with `-m "not gpu"` on torch 2.11, 2026-12-07): expected failures there,
+# strict, so that a release that changes is noticed. Not on GPUs: Triton's kernels keep these roundings.
 _ROUND_TRIP = ("its C++ backend drops an explicit bf16 round trip (`.to(bfloat16)` then fp32) inside a fused CPU "
                "kernel, also with emulate_precision_casts, so the compiled graph differs from eager where eager rounds")
 _VIEW_DTYPE = ("its Inductor cannot lower view(dtype) of a buffer whose last dimension has size 1 (stride 0): the "
