@@ -375,13 +375,13 @@ def test_cudagraph_trees_serve_steps_of_every_size(entry):
     torch._dynamo.mark_static_address(cache)
     try:
         with torch.no_grad():
-            for batch in batches:
+            for lens, batch in zip(sizes, batches):
                 cache.copy_(batch.kv_cache)
                 logits, topk = captured(*dataclasses.replace(batch, kv_cache=cache).args)
                 want = batch.clone()
                 want_logits, want_topk = uncaptured(*want.args)
-                assert torch.equal(cache, want.kv_cache), f"{len(batch.lens)}: cache bytes differ"
-                assert torch.equal(logits, want_logits) and torch.equal(topk, want_topk), f"{len(batch.lens)}"
+                assert torch.equal(cache, want.kv_cache), f"{lens}: cache bytes differ"
+                assert torch.equal(logits, want_logits) and torch.equal(topk, want_topk), f"{lens}: outputs differ"
                 if not batch.slot_mapping.numel():
                     assert torch.equal(cache, batch.kv_cache), "an empty step wrote the cache"
     finally:
