@@ -254,7 +254,12 @@ def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck 
         elif not isinstance(h, torch.Tensor) or h.shape != w.shape or h.dtype != w.dtype:
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
-            problems += _compare_float(what, w, h, rtol) or \
+            float_problems = _compare_float(what, w, h, rtol)
+            if float_problems and i in logits_outputs and _only_moved_key_columns(w, keys_moved):
+                float_problems[0] += (" (every finite logit is in the column of a key whose K moved, as in a one- or "
+                                      "two-token step: such a logit may move by any fraction of itself; "
+                                      "docs/numerics.md, \"Steps of one or two tokens\")")
+            problems += float_problems or \
                 (_compare_outside_moved_keys(what, w, h, keys_moved) if i in logits_outputs else [])
         elif i in topk_checks and w.dim() >= 1:
             check = topk_checks[i]
@@ -336,6 +341,14 @@ def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: floa
         return [f"{what}: relative error {err:.2e} over the finite entries (allowed {rtol:.3g}), largest at "
                 f"{list(index)}: {_item(have, index)}, expected {_item(want, index)}"]
     return []
+
+
+def _only_moved_key_columns(logits: torch.Tensor, keys_moved: int) -> bool:
+    """Whether a step's logits (keys along the last dimension) hold finite entries in at most ``keys_moved`` key
+    columns: then the norm-wise allowance for moved keys cannot bound them (docs/numerics.md)."""
+    if not keys_moved or logits.dim() == 0:
+        return False
+    return int(as_rows(torch.isfinite(logits)).any(0).sum()) <= keys_moved
 
 
 def _compare_outside_moved_keys(what: str, want: torch.Tensor, have: torch.Tensor, keys_moved: int) -> list[str]:

@@ -258,6 +258,22 @@ def test_logits_error_outside_the_moved_keys():
     assert verify._compare_outside_moved_keys("x", want, spread, 0) == []  # no key moved: the float rule alone
 
 
+def test_logits_only_of_moved_keys_are_named_as_such():
+    """A one-token step whose key moved (one finite logit, from heads that nearly cancel) past the allowance: the
+    message says why the allowance cannot bound it (docs/numerics.md); a step with other keys' columns does not."""
+    one_token = torch.tensor([[-0.0091]])
+    two_tokens = torch.tensor([[0.5, float("-inf")], [-0.0091, 0.2]])  # causal: 2 key columns, one key moved
+    hint = "every finite logit is in the column of a key whose K moved"
+    (message,) = verify._compare_outputs([one_token], [torch.tensor([[-0.0069]])], {}, 0.041, {0}, 1)
+    assert "relative error 2.42e-01" in message and hint in message
+    (message,) = verify._compare_outputs([two_tokens], [two_tokens * 1.3], {}, 0.041, {0}, 2)
+    assert hint in message
+    (message,) = verify._compare_outputs([two_tokens], [two_tokens * 1.3], {}, 0.041, {0}, 1)
+    assert hint not in message
+    (message,) = verify._compare_outputs([one_token], [torch.tensor([[-0.0069]])], {}, 0.041, set(), 1)
+    assert hint not in message  # not an output topk reads
+
+
 def test_uint8_rules():
     """A uint8 input that is not a K cache of the compile's layout (or any, where no pass reorders sums): bytes."""
     old = torch.zeros(4, 300, dtype=torch.uint8)
