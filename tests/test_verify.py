@@ -272,6 +272,8 @@ def test_logits_only_of_moved_keys_are_named_as_such():
     assert hint not in message
     (message,) = verify._compare_outputs([one_token], [torch.tensor([[-0.0069]])], {}, 0.041, set(), 1)
     assert hint not in message  # not an output topk reads
+    (message,) = verify._compare_outputs([one_token], [torch.tensor([[float("-inf")]])], {}, 0.041, {0}, 1)
+    assert "-inf positions differ" in message and hint not in message  # a mask is never a tolerance's
 
 
 def test_uint8_rules():
