@@ -44,6 +44,9 @@ from .layout import TOKEN_BYTES, KCacheLayout
 LOGITS_RTOL = 1e-3
 TOPK_ROW_FRACTION = 1e-2
 TOPK_TIE_RTOL = 1e-3  # keys this close to the k-th value (relative to the row's largest) may swap places
+# after a logits output's error where every finite logit is in a moved key's column (docs/numerics.md)
+MOVED_KEYS_ONLY = (" (every finite logit is in the column of a key whose K moved, as in a one- or two-token step: "
+                   "such a logit may move by any fraction of itself; docs/numerics.md, \"Steps of one or two tokens\")")
 # ops between ``topk`` and an output that keep its indices' values (masking writes -1, not other columns) ...
 _COLUMN_PATH_OPS = {"where", "masked_fill", "masked_fill_", "to", "int", "long", "view", "reshape", "clone",
                     "contiguous", "getitem", "getattr", "_to_copy", "type"}
@@ -254,13 +257,8 @@ def _compare_outputs(expected: Any, got: Any, topk_checks: dict[int, _TopkCheck 
         elif not isinstance(h, torch.Tensor) or h.shape != w.shape or h.dtype != w.dtype:
             problems.append(f"{what} is {_describe(h)}, expected {_describe(w)}")
         elif w.is_floating_point():
-            float_problems = _compare_float(what, w, h, rtol)
-            if float_problems and "relative error" in float_problems[0] and i in logits_outputs \
-                    and _only_moved_key_columns(w, keys_moved):
-                float_problems[0] += (" (every finite logit is in the column of a key whose K moved, as in a one- or "
-                                      "two-token step: such a logit may move by any fraction of itself; "
-                                      "docs/numerics.md, \"Steps of one or two tokens\")")
-            problems += float_problems or \
+            note = MOVED_KEYS_ONLY if i in logits_outputs and _only_moved_key_columns(w, keys_moved) else ""
+            problems += _compare_float(what, w, h, rtol, note) or \
                 (_compare_outside_moved_keys(what, w, h, keys_moved) if i in logits_outputs else [])
         elif i in topk_checks and w.dim() >= 1:
             check = topk_checks[i]
@@ -327,7 +325,10 @@ def _compare_cache(what: str, layout: KCacheLayout, fp8_dtype: torch.dtype, old:
     return [f"{what} (K cache, {layout}): {problem}" for problem in problems], diff
 
 
-def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: float = LOGITS_RTOL) -> list[str]:
+def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: float = LOGITS_RTOL,
+                   note: str = "") -> list[str]:
+    """Identical NaN and +-inf positions, then the norm-wise error over the finite entries (``note`` follows its
+    message, never a mask's)."""
     for name, mask in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         if not torch.equal(mask(want), mask(have)):
             index = tuple(int(c) for c in (mask(want) != mask(have)).nonzero()[0])
@@ -340,7 +341,7 @@ def _compare_float(what: str, want: torch.Tensor, have: torch.Tensor, rtol: floa
         largest = (want.double() - have.double()).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).argmax()
         index = tuple(int(c) for c in torch.unravel_index(largest, want.shape))
         return [f"{what}: relative error {err:.2e} over the finite entries (allowed {rtol:.3g}), largest at "
-                f"{list(index)}: {_item(have, index)}, expected {_item(want, index)}"]
+                f"{list(index)}: {_item(have, index)}, expected {_item(want, index)}{note}"]
     return []
 
 
