@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv when missing and installs the CPU build of torch 2.13.0 plus this package (editable, with test extras).
+# Creates .venv when missing and installs torch 2.13.0 from pip's configured index (the CPU build on this project's
+# machines) plus this package (editable, with test extras).
 # Sourced by run_example.sh and run_tests.sh; re-installs only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -52,7 +52,7 @@ _LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.floa
                   torch.float8_e5m2fnuz}
 DOWNSTREAM_LIMIT = 20000
 # Split-K of the op: one split per 1024 columns of K, at most 4 (the consumer kernel reads every partial; with the
-# scale chain's own inputs it must stay under Inductor's realize_acc_reads_threshold of 8 reads).
+# scale chain's own inputs it must stay under Inductor's default realize_acc_reads_threshold of 8 reads).
 _K_PER_SPLIT = 1024
 _MAX_SPLITS = 4
 
