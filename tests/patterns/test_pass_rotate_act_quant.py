@@ -284,7 +284,10 @@ def test_fires_on_a_one_token_prefill():
     eager_fn, compiled_fn, dump_dir = compiled("deepseek_v32", "paged", "prefill")
     batch = prefill_batch(config, layout, [1], seed=9, cache_pages=CACHE_SLOTS // layout.page_size)
     assert_matches_eager(eager_fn, compiled_fn, batch)
-    (graph,) = [g for g in graph_dirs(dump_dir) if f"[1, {config.n_heads}, 128]" in (g / "00_input.py").read_text()]
-    before, after = pass_graphs(graph, "rotate_act_quant")
-    assert pass_entry(graph, "rotate_act_quant")["matched"] == 2
-    assert count_ops(before, "aten.mm") - count_ops(after, "aten.mm") == 2
+    # (other tests share this compiled function: one-token graphs of other shapes may be there too, in a worker's order)
+    graphs = [g for g in graph_dirs(dump_dir) if f"[1, {config.n_heads}, 128]" in (g / "00_input.py").read_text()]
+    assert graphs, "no one-token graph"
+    for graph in graphs:
+        before, after = pass_graphs(graph, "rotate_act_quant")
+        assert pass_entry(graph, "rotate_act_quant")["matched"] == 2
+        assert count_ops(before, "aten.mm") - count_ops(after, "aten.mm") == 2
