@@ -299,10 +299,14 @@ def test_a_one_token_step_is_judged_on_its_own_k():
     eager, moved_run = batch.clone(), batch.clone()
     eager_wk = model.wk.forward
     flips = torch.rand(1, config.head_dim, generator=torch.Generator().manual_seed(2)) < 0.05
+
+    def moved_wk(x):
+        bits = eager_wk(x).view(torch.int16)
+        return torch.where(flips, bits + 1, bits).view(torch.bfloat16)
+
     with torch.no_grad():
         logits, _ = model.prefill(*eager.args)
-        model.wk.forward = lambda x: torch.where(flips, eager_wk(x).view(torch.int16) + 1,
-                                                 eager_wk(x).view(torch.int16)).view(torch.bfloat16)
+        model.wk.forward = moved_wk
         try:
             moved_logits, _ = model.prefill(*moved_run.args)
         finally:
