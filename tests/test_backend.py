@@ -140,9 +140,10 @@ def test_dump_dir_has_graphs_and_report(tmp_path):
     report = json.loads((graph_dir / "report.json").read_text())
     assert report["graph"] == graph_dir.name
     assert report["layout"] and report["capability"].startswith("nsa_inductor: platform=")
+    assert report["passes"]
     for entry in report["passes"]:
         assert {"name", "matched", "near_misses"} <= set(entry)
-        assert f"{files.index(entry['name']) if False else ''}" == ""
+        assert sum(f.endswith((f"_{entry['name']}.before.py", f"_{entry['name']}.after.py")) for f in files) == 2
     assert len([f for f in files if f.endswith(".before.py")]) == len(report["passes"])
     assert "relu" in (graph_dir / "00_input.py").read_text()
 

@@ -23,7 +23,10 @@ from helpers.reference64 import assert_logits_close
 
 
 def reports(dump_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(dump_dir.glob("*/report.json"))]
+    """The reports dumped under ``dump_dir`` (never none: a loop over no report asserts nothing)."""
+    found = [json.loads(p.read_text()) for p in sorted(dump_dir.glob("*/report.json"))]
+    assert found, f"no report was dumped under {dump_dir}"
+    return found
 
 
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
@@ -247,6 +250,7 @@ def assert_gpu_step_close(eager_fn, batch, layout, cache, outputs) -> None:
 
 def _assert_same_sets(want, got, share: float = 1.0) -> None:
     """The top-k index sets of ``got`` are ``want``'s in at least ``share`` of the rows."""
+    assert (got.shape, got.dtype) == (want.shape, want.dtype), (got.shape, got.dtype)
     same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(want.cpu(), got.cpu()))
     assert same >= share * want.shape[0], f"top-k sets differ in {want.shape[0] - same} of {want.shape[0]} rows"
 

@@ -136,13 +136,18 @@ def compiled_step(monkeypatch, *extra_passes, verify_calls=True, entry="decode",
         pathlib.Path(dump_dir)
 
 
+def relative_error(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
 def batch(seed=1):
     return decode_batch(CONFIGS["deepseek_v32"], LAYOUT, [5, 33, 17], max_len=48, seed=seed,
                         cache_pages=CACHE_SLOTS // LAYOUT.page_size)
 
 
 def test_agreeing_step_runs_and_returns_the_compiled_result(monkeypatch):
-    model, step, _ = compiled_step(monkeypatch)
+    """Logits 1e-4 off (within 1e-3): verify returns, and what it returns is the compiled graph's result."""
+    model, step, _ = compiled_step(monkeypatch, ScaleLogits(1 + 1e-4))
     b = batch()
     eager = b.clone()
     with torch.no_grad():
@@ -150,6 +155,9 @@ def test_agreeing_step_runs_and_returns_the_compiled_result(monkeypatch):
         e_logits, e_topk = model.decode(*eager.args)
     assert torch.equal(b.kv_cache, eager.kv_cache)  # the real cache was written once, by the compiled graph
     assert torch.equal(logits.isneginf(), e_logits.isneginf())
+    finite = ~e_logits.isneginf()
+    assert relative_error(logits[finite], (1 + 1e-4) * e_logits[finite]) < 3e-5 < 7e-5 < \
+        relative_error(logits[finite], e_logits[finite])
     assert [set(r) for r in topk.tolist()] == [set(r) for r in e_topk.tolist()]
     report = nsa_inductor.last_reports()[-1]
     assert {p["name"]: p["matched"] for p in report["passes"]}["paged_mqa_logits"] == 1
@@ -272,9 +280,16 @@ def test_one_far_top_k_column_in_a_prefill_is_named(monkeypatch):
 
 
 def test_only_the_first_calls_are_verified(monkeypatch):
-    _, step, _ = compiled_step(monkeypatch, ScaleLogits(), verify_calls=0)
+    """``nsa.verify: 2``: the first two calls of a wrong graph raise, the third returns its (wrong) result."""
+    model, step, _ = compiled_step(monkeypatch, ScaleLogits(), verify_calls=2)
     with torch.no_grad():
-        step(*batch().args)  # wrong, but not verified
+        for _ in range(2):
+            with pytest.raises(verify.VerifyError, match="wrong_scale_logits x1"):
+                step(*batch().args)
+        logits, _ = step(*batch().args)
+        e_logits, _ = model.decode(*batch().args)
+    finite = ~e_logits.isneginf()
+    assert relative_error(logits[finite], 1.01 * e_logits[finite]) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,7 +37,11 @@ def store_pass_graph(fn, x, cache, slots) -> pathlib.Path:
 
 
 def graph_dirs(dump_dir: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(p for p in dump_dir.iterdir() if p.is_dir())
+    """The graphs dumped under ``dump_dir`` (never none: a dump that fails only warns, and a loop over no graph
+    asserts nothing)."""
+    dirs = sorted(p for p in dump_dir.iterdir() if p.is_dir())
+    assert dirs, f"no graph was dumped under {dump_dir}"
+    return dirs
 
 
 def read_report(graph_dir: pathlib.Path) -> dict:
@@ -171,6 +175,7 @@ def assert_matches_eager(eager_fn, compiled_fn, batch, prepare=lambda b: b, same
     if not same_topk:
         topk_sets_valid(c_logits, c_topk, c_topk.shape[1])
         return
+    assert (c_topk.shape, c_topk.dtype) == (topk.shape, topk.dtype), (c_topk.shape, c_topk.dtype)
     for row, (a, b) in enumerate(zip(topk, c_topk)):
         assert set(a.tolist()) == set(b.tolist()), f"top-k sets differ in row {row}"
 

@@ -217,7 +217,8 @@ def test_indexer_decode(which):
         if passes == "only_this":
             assert report["matched"] == 0
             assert any("not known to write -inf" in m["reason"] for m in report["near_misses"]), report
-        elif pass_entry(graph_dir, "paged_mqa_logits")["matched"]:
+        else:
+            assert pass_entry(graph_dir, "paged_mqa_logits")["matched"] == 1
             assert report["matched"] == 1, report
             before, after = pass_graphs(graph_dir, "empty_logits_buffer")
             assert count_ops(after, "aten.full") == count_ops(before, "aten.full") - 1

@@ -210,8 +210,7 @@ def test_k_side_store_takes_the_rotation(tokens):
     compiled_fn(x, H32, slots, compiled_cache)
     assert torch.equal(eager_cache, compiled_cache)
     graph = [g for g in graph_dirs(dump_dir) if f"[{tokens}, 128]" in (g / "00_input.py").read_text()][0]
-    if pass_entry(graph, "quant_cache_store")["matched"] == 0:
-        pytest.xfail("quant_cache_store does not fire at this size (issue 11 item 1); the q-side op serves k")
+    assert pass_entry(graph, "quant_cache_store")["matched"] == 1
     before, after = pass_graphs(graph, "rotate_act_quant")
     assert count_ops(before, "aten.mm") == 1 and count_ops(after, "aten.mm") == 0
     assert "rotation = " in after and "input_divide = True" in after
