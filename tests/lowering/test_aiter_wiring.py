@@ -386,7 +386,7 @@ def test_the_stand_in_makes_aiters_topk_checks(monkeypatch):
     install(monkeypatch, FAMILIES["0.1.12"])
     topk = __import__("aiter.ops.topk", fromlist=["top_k_per_row_decode"])
     logits, out = torch.randn(2, 4000), torch.empty(2, 12, dtype=torch.int32)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'k'"):
         topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 4000], dtype=torch.int32), out, 2, 4000, 1, k=12)
     with pytest.raises(AiterFault, match="writes past indices"):
         topk.top_k_per_row_decode(logits, 1, torch.tensor([4000, 4000], dtype=torch.int32), out, 2, 4000, 1)

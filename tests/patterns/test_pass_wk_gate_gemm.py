@@ -15,7 +15,7 @@ from torch import nn
 
 from helpers.models import CONFIGS, LAYOUTS, batches, compiled, other
 from helpers.pass_helpers import assert_k_cache_matches, compile_with_dumps, count_ops, graph_dirs, pass_entry, \
-    pass_graphs, to_logits
+    pass_graphs, read_report, to_logits
 from helpers.reference64 import assert_logits_close
 
 # docs/numerics.md: top-k recall of the compiled indexer against eager (the K-cache bound is assert_k_cache_matches').
@@ -36,7 +36,8 @@ CASES = {"deepseek_v32 decode": lambda: compiled("deepseek_v32", "paged", "decod
 def test_fires_on_the_indexers_within_the_documented_bound(case):
     eager_fn, compiled_fn, dump_dir = CASES[case]()
     config, layout = CONFIGS["glm5" if case.startswith("glm5") else "deepseek_v32"], LAYOUTS["paged"]
-    for batch in batches(config, layout, case.split()[-1]):
+    runs = batches(config, layout, case.split()[-1])
+    for batch in runs:
         eager, comp = batch.clone(), batch.clone()
         with torch.no_grad():
             logits, topk = eager_fn(*eager.args)
@@ -48,8 +49,11 @@ def test_fires_on_the_indexers_within_the_documented_bound(case):
     checked = 0
     for graph_dir in graph_dirs(dump_dir):
         entry = pass_entry(graph_dir, "wk_gate_gemm")
-        if any("decode-sized" in m["reason"] for m in entry["near_misses"]):
-            continue  # a prefill-sized graph another test compiled on the shared model: a near miss by design
+        sized = [m["reason"] for m in entry["near_misses"] if "decode-sized" in m["reason"]]
+        if sized:  # a prefill-sized graph another test compiled on the shared model: a near miss by design
+            example = int(re.search(r"\(example (\d+)\)", sized[0]).group(1))
+            assert example > max(batch.x.shape[0] for batch in runs), sized
+            continue
         checked += 1
         assert entry["matched"] == 1, entry
         before, after = pass_graphs(graph_dir, "wk_gate_gemm")
@@ -76,8 +80,7 @@ def test_disabled_pass_keeps_eager_bytes():
         compiled_fn(*comp.args)
     assert torch.equal(eager.kv_cache, comp.kv_cache)
     (graph_dir,) = graph_dirs(dump_dir)
-    with pytest.raises(ValueError):
-        pass_entry(graph_dir, "wk_gate_gemm")
+    assert "wk_gate_gemm" not in [p["name"] for p in read_report(graph_dir)["passes"]]
     assert count_ops(pass_graphs(graph_dir, "head_gate_gemm")[1], "nsa.head_gate_gemm") == 1
 
 
