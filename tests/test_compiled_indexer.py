@@ -501,7 +501,7 @@ def test_a_step_returning_only_the_indices_leaves_the_masked_logits_unwritten(en
     topk_indices.md; the references write NaN there, which a top-k reading them would rank first); where the lengths
     are not known (next_n symbolic in the second decode graph) it writes them. The top-k sets are eager's. Where the
     logits are returned too (every other test here), they are written whole."""
-    from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_graphs
+    from helpers.pass_helpers import compile_with_dumps
 
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = Indexer(config, layout)
@@ -512,6 +512,13 @@ def test_a_step_returning_only_the_indices_leaves_the_masked_logits_unwritten(en
         eager, comp = batch.clone(), batch.clone()
         torch._dynamo.mark_static(comp.kv_cache)
         _assert_same_sets(fn(*eager.args), compiled_fn(*comp.args))
+    _assert_masked_columns_unwritten(dump_dir, op)
+
+
+def _assert_masked_columns_unwritten(dump_dir: pathlib.Path, op) -> None:
+    """In each graph, ``op`` writes the masked columns exactly where the top-k after it has no lengths; some has."""
+    from helpers.pass_helpers import graph_dirs, pass_graphs
+
     unwritten = 0
     for graph_dir in graph_dirs(dump_dir):
         before, after = pass_graphs(graph_dir, "topk_indices")
@@ -536,8 +543,9 @@ def _write_masked(source: str, op) -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", ["decode", "prefill"])
-def test_a_step_returning_only_the_indices_on_gpu(entry):
+@pytest.mark.parametrize("entry, op", [("decode", torch.ops.nsa.paged_mqa_logits.default),
+                                       ("prefill", torch.ops.nsa.mqa_logits.default)])
+def test_a_step_returning_only_the_indices_on_gpu(entry, op):
     """The same on the GPU: the logits kernels leave the masked columns past each row's end unwritten and the top-k,
     which reads each row up to its length only, gives eager's sets (>= 99 % of rows, as the other GPU steps)."""
     config = IndexerConfig.deepseek_v32(max_model_len=4096)
@@ -545,7 +553,10 @@ def test_a_step_returning_only_the_indices_on_gpu(entry):
     model = Indexer(config, layout).cuda()
     model.reset_parameters(torch.Generator().manual_seed(0))
     fn = _indices_only(model, entry)
-    compiled_fn = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size})
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-gpu-indices-{entry}-"))
+    compiled_fn = compile_indexer(fn, {"nsa.layout": "paged", "nsa.page_size": layout.page_size,
+                                       "nsa.dump_dir": str(dump_dir)})
     with torch.no_grad():
         for batch in gpu_cases(config, layout, entry):
             _assert_same_sets(fn(*batch.clone().args), compiled_fn(*batch.clone().args), 0.99)
+    _assert_masked_columns_unwritten(dump_dir, op)
