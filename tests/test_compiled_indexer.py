@@ -279,16 +279,24 @@ def test_compiled_equals_eager_on_gpu(config_name, layout_name, entry):
 
 @pytest.mark.gpu
 def test_one_and_two_token_prefills_equal_eager_on_gpu():
-    """The smallest prefills, where one logit is a sum over heads whose terms may cancel: compiled equals eager read
-    from the compiled step's own K (``eager_logits_on_cache``) within 1e-3, K within its bound, over several
-    draws."""
+    """The smallest prefills, where one logit is a sum over heads whose terms may cancel: K within its bound, and
+    each logit within 1e-3 of the size of its terms (``eager_logits_on_cache(term_sizes=True)``; Hopper's fp8 dots
+    accumulate to about 1e-4 of it) of eager read from the compiled step's own K, over several draws."""
     config, layout, eager_fn, compiled_fn, _ = compiled_gpu("deepseek_v32", "paged", "prefill")
     with torch.no_grad():
         for seed in range(8):
             for lens in ([1], [2], [1, 2]):
                 batch = prefill_batch(config, layout, lens, seed=seed, device="cuda")
-                comp = batch.clone()
-                assert_gpu_step_close(eager_fn, batch, layout, comp.kv_cache, compiled_fn(*comp.args))
+                eager, comp = batch.clone(), batch.clone()
+                eager_fn(*eager.args)
+                c_logits, _ = compiled_fn(*comp.args)
+                assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping, layout)
+                on_k = eager_logits_on_cache(eager_fn, batch, comp.kv_cache)
+                sizes = eager_logits_on_cache(eager_fn, batch, comp.kv_cache, term_sizes=True)
+                finite = ~on_k.isneginf()
+                assert torch.equal(finite, ~c_logits.isneginf()), f"{lens} seed {seed}: -inf masks differ"
+                error = (c_logits - on_k).abs()[finite]
+                assert (error <= 1e-3 * sizes[finite]).all(), f"{lens} seed {seed}: {error} of {sizes[finite]}"
 
 
 def test_a_one_token_step_is_judged_on_its_own_k():

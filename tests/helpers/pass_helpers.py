@@ -122,10 +122,12 @@ def assert_k_cache_matches(expected, actual, slots, layout=None) -> dict | None:
     return diff
 
 
-def eager_logits_on_cache(eager_fn, batch, cache) -> torch.Tensor | None:
+def eager_logits_on_cache(eager_fn, batch, cache, term_sizes: bool = False) -> torch.Tensor | None:
     """Eager's logits of ``batch`` read from the K that another run wrote into ``cache`` (a copy is used): eager's
     q, gates and sums with that run's K. None where ``eager_fn`` is not a method of an :class:`Indexer`, whose
-    steps read their keys back from the cache after storing them (its ``store_k`` is skipped for this run)."""
+    steps read their keys back from the cache after storing them (its ``store_k`` is skipped for this run).
+    ``term_sizes``: with the gates' absolute values, each logit's sum over heads of ``|w| relu(q . k)``: the size of
+    its terms, which bounds what summing them in another order can move it by."""
     from nsa_inductor.indexer import Indexer
 
     model = getattr(eager_fn, "__self__", None)
@@ -133,6 +135,8 @@ def eager_logits_on_cache(eager_fn, batch, cache) -> torch.Tensor | None:
         return None
     reader = copy.copy(model)  # the compiled functions' module stays as it was: no guard sees a change
     reader.store_k = lambda *unused: None
+    if term_sizes:
+        reader.head_gates = lambda x, q_scale: model.head_gates(x, q_scale).abs()
     args = list(batch.clone().args)
     args[4] = cache.clone()
     with torch.no_grad():
