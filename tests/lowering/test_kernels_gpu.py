@@ -277,6 +277,9 @@ def test_aiter_topk_indices_meets_the_contract(rows, cols, k, kind, pad):
 def test_topk_indices_replays_in_cuda_graph_with_new_lengths(rows, width):
     """The split radix path's per-row arrival counts start from zero on every replay; sorted by chunks (8 and 64
     rows) and by ranks (1 row); 64 rows of 32768 columns (512 segments a launch) run its bounds launch."""
+    tk = _tk("topk_indices")
+    assert tk.path_for(rows, width, 2048) == "radix_split"
+    assert tk.sort_for(rows, 2048, "radix_split") == ("ranks" if rows == 1 else "chunks")
     logits = topk_logits(rows, width, 0.0, seed=3).to(DEV)
     lengths = torch.full((rows,), width, dtype=torch.int32, device=DEV)
     new_lengths = torch.tensor([5000, 1, 2047, 2048, 2049, 0, width - 1, width], dtype=torch.int32).repeat(8)[:rows]
