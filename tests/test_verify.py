@@ -224,7 +224,7 @@ def test_logits_off_where_a_key_moved_are_named(monkeypatch):
 def test_a_one_token_prefill_whose_key_moved_is_compared_on_its_own_k(monkeypatch):
     """A one-token prefill has a single logit, a sum over heads that may nearly cancel: its key's K moved within the
     bound moves it by 15 % here, past the norm-wise allowance for moved keys (docs/numerics.md). Read from the
-    compiled step's own K it is exact, so verify returns; the same step with its logits 1 % off raises."""
+    compiled step's own K it agrees, so verify returns; the same step with its logits 1 % off raises."""
     config, layout = CONFIGS["deepseek_v32"], LAYOUT
     model, step, _ = compiled_step(monkeypatch, NudgeStoredK(), entry="prefill")
     b = prefill_batch(config, layout, [1], seed=7, cache_pages=CACHE_SLOTS // layout.page_size)
