@@ -244,7 +244,7 @@ def assert_gpu_step_close(eager_fn, batch, layout, cache, outputs) -> None:
     logits, topk = eager_fn(*eager.args)
     c_logits, c_topk = outputs
     moved = assert_k_cache_matches(eager.kv_cache, cache, batch.slot_mapping, layout)
-    assert_step_logits_close(c_logits, logits, moved, moved and eager_logits_on_cache(eager_fn, batch, cache))
+    assert_step_logits_close(c_logits, logits, moved, eager_fn, batch, cache)
     _assert_same_sets(topk, c_topk, 0.99)
 
 
@@ -325,12 +325,12 @@ def test_a_one_token_step_is_judged_on_its_own_k():
             del model.wk.forward
     moved = assert_k_cache_matches(eager.kv_cache, moved_run.kv_cache, batch.slot_mapping, layout)
     assert moved and moved["tokens_moved"] == 1, moved
-    on_own_k = eager_logits_on_cache(model.prefill, batch, moved_run.kv_cache)
-    assert_step_logits_close(moved_logits, logits, moved, on_own_k)
+    own_k = (model.prefill, batch, moved_run.kv_cache)
+    assert_step_logits_close(moved_logits, logits, moved, *own_k)
     with pytest.raises(AssertionError, match="relative error"):
         assert_step_logits_close(moved_logits, logits, moved)
     with pytest.raises(AssertionError, match="relative error"):
-        assert_step_logits_close(moved_logits * 1.01, logits, moved, on_own_k)
+        assert_step_logits_close(moved_logits * 1.01, logits, moved, *own_k)
 
 
 @pytest.mark.gpu

@@ -143,18 +143,19 @@ def eager_logits_on_cache(eager_fn, batch, cache, term_sizes: bool = False) -> t
         return getattr(reader, eager_fn.__name__)(*args)[0]
 
 
-def assert_step_logits_close(actual, expected, moved, expected_on_moved_k=None) -> None:
+def assert_step_logits_close(actual, expected, moved, eager_fn=None, batch=None, cache=None) -> None:
     """A step's logits against eager's, whose K caches differ by ``moved`` (``assert_k_cache_matches``' result).
 
-    With ``expected_on_moved_k`` (:func:`eager_logits_on_cache` of the step's cache): within the logits' own 1e-3 of
-    it, at any number of tokens. Without it: within 1e-3 widened for the keys whose K moved, and within 1e-3 outside
-    those keys' columns (docs/numerics.md), which a one-token step's single logit can exceed where its head terms
-    nearly cancel."""
+    Where K moved and eager's step ``eager_fn`` of ``batch`` can read the step's ``cache`` back
+    (:func:`eager_logits_on_cache`): within the logits' own 1e-3 of that, at any number of tokens. Otherwise: within
+    1e-3 widened for the keys whose K moved, and within 1e-3 outside those keys' columns (docs/numerics.md), which a
+    one-token step's single logit can exceed where its head terms nearly cancel."""
     from helpers.reference64 import assert_logits_close
     from nsa_inductor.cache_difference import error_outside_moved_keys, logits_rtol
 
-    if moved and expected_on_moved_k is not None:
-        assert_logits_close(actual, expected_on_moved_k)
+    on_moved_k = eager_logits_on_cache(eager_fn, batch, cache) if moved and eager_fn is not None else None
+    if on_moved_k is not None:
+        assert_logits_close(actual, on_moved_k)
         return
     assert_logits_close(actual, expected, logits_rtol(1e-3, moved))
     keys = moved["tokens_moved"] if moved else 0
@@ -175,7 +176,7 @@ def assert_matches_eager(eager_fn, compiled_fn, batch, prepare=lambda b: b, same
         c_logits, c_topk = compiled_fn(*comp.args)
     moved = assert_k_cache_matches(eager.kv_cache, comp.kv_cache, batch.slot_mapping,
                                    getattr(getattr(eager_fn, "__self__", None), "layout", None))
-    assert_step_logits_close(c_logits, logits, moved, moved and eager_logits_on_cache(eager_fn, batch, comp.kv_cache))
+    assert_step_logits_close(c_logits, logits, moved, eager_fn, batch, comp.kv_cache)
     if not same_topk:
         topk_sets_valid(c_logits, c_topk, c_topk.shape[1])
         return
