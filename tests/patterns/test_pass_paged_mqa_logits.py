@@ -115,6 +115,10 @@ class Variant(Indexer):
 
     def decode(self, x, q_lora, positions, slot_mapping, kv_cache, block_table, context_lens):
         c = self.config
+        if self.variant == "table_clamped_at_0":  # an engine's fallback: a negative id reads page 0, not its wrap
+            block_table = block_table.clamp(min=0)
+        if self.variant == "table_abs":
+            block_table = block_table.abs()
         batch, max_pages = block_table.shape
         next_n = x.shape[0] // batch
         max_len = max_pages * self.layout.page_size
@@ -156,7 +160,8 @@ class Variant(Indexer):
             scores = scores.relu()
         if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
             scores = scores * c.head_dim ** -0.5 * 0.25
-        scores = scores * k_scale.view(batch, 1, 1, max_len)
+        if self.variant != "k_scale_after_sum":
+            scores = scores * k_scale.view(batch, 1, 1, max_len)
         if self.variant == "k_scale_twice":
             scores = scores * k_scale.view(batch, 1, 1, max_len)
         if self.variant not in ("no_weights", "weights_inside_relu"):
@@ -165,6 +170,8 @@ class Variant(Indexer):
             scores = scores.sum(dim=1)
         else:
             scores = scores.sum(dim=2)
+        if self.variant == "k_scale_after_sum":  # the same sum, but the mask's chain stops at the mul
+            scores = scores * k_scale.view(batch, 1, max_len)
         last_visible = context_lens.view(batch, 1) - next_n + torch.arange(next_n, device=x.device)
         if self.variant == "mask_off_by_one":
             visible = key_pos < last_visible.unsqueeze(-1)
@@ -193,6 +200,9 @@ NEGATIVES = {
     "sum_over_tokens": ("paged", "paged", 16, "q[row, h, d]"),  # a sum mixes q rows before its axis is checked
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
+    "k_scale_after_sum": ("paged", "paged", 1, "users are mul"),
+    "table_clamped_at_0": ("paged", "paged", 1, "negative page id"),
+    "table_abs": ("flat", "flat", 1, "negative page id"),
 }
 # (a paged cache compiled under the flat guard is rewritten with the cache's own page size: tests/test_engine_indexer.py)
 

@@ -99,9 +99,12 @@ class Probes:
         elif isinstance(v, torch.Tensor) and v.dtype in INT_DTYPES and v.dim() == 2 and self.block_table in (None, node):
             rows, cols = shape_of(node)
             n = rows * cols
-            # distinct pages (more than the cache holds if need be: addresses are only compared, never read)
-            pages = torch.randperm(max(self.num_pages, n), generator=self.gen)
-            value = pages[:n].view(rows, cols).to(v.dtype)
+            # distinct pages (more than the cache holds if need be: addresses are only compared, never read); half
+            # of those in [1, num_pages) negative, p - num_pages, which indexing reads as page p: a table changed
+            # before the read (a clamp at 0, an abs) reads another page there
+            pages = torch.randperm(max(self.num_pages, n), generator=self.gen)[:n]
+            alias = (pages >= 1) & (pages < self.num_pages) & (torch.rand(n, generator=self.gen) < 0.5)
+            value = torch.where(alias, pages - self.num_pages, pages).view(rows, cols).to(v.dtype)
             self.block_table = node
         elif isinstance(v, torch.Tensor) and v.dtype in INT_DTYPES and v.dim() == 1:
             (size,) = shape_of(node)

@@ -116,25 +116,36 @@ def reads_fp8(dot: torch.fx.Node) -> bool:
     return False
 
 
+def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node]:
+    """``(outermost -inf where or None, the last node of the chain)``: the head sum's single users through
+    reshapes, permutes and -inf wheres."""
+    where = None
+    cur = sum_node
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if is_op(user, *RESHAPES, aten.permute.default):
+            cur = user
+        elif is_op(user, *WHERES) and cur in user.args[1:] \
+                and any(is_neg_inf(a) for a in user.args[1:] if a is not cur):
+            where = cur = user
+        else:
+            break
+    return where, cur
+
+
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
     """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not)."""
-    found = []
-    for node in graph.nodes:
-        if not is_op(node, aten.sum.dim_IntList) or not product_dots(node):
-            continue
-        where = None
-        cur = node
-        while len(cur.users) == 1:
-            (user,) = cur.users
-            if is_op(user, *RESHAPES, aten.permute.default):
-                cur = user
-            elif is_op(user, *WHERES) and cur in user.args[1:] \
-                    and any(is_neg_inf(a) for a in user.args[1:] if a is not cur):
-                where = cur = user
-            else:
-                break
-        found.append((node, where))
-    return found
+    return [(node, mask_chain(node)[0]) for node in graph.nodes
+            if is_op(node, aten.sum.dim_IntList) and product_dots(node)]
+
+
+def unmasked(sum_node: torch.fx.Node) -> NearMiss:
+    """The near miss of a head sum with no -inf mask, naming where its chain of users stops."""
+    end = mask_chain(sum_node)[1]
+    users = ", ".join(f"{u.name} ({u.target})" for u in end.users) or "none (an output)"
+    return NearMiss(f"the head-sum of relu(q·k) is not masked with -inf by a where/masked_fill: the mask must apply "
+                    f"to the sum itself (through reshapes), but {end.name}'s users are {users}; e.g. a factor "
+                    "multiplied after the sum, or a mask on a wider buffer the sum was written into")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -465,7 +476,9 @@ def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], d
     if bt is None:
         raise NearMiss("the K read does not go through a block table graph input")
     k_addr, s_addr = linear(k_c, shape_of(k_leaf)), linear(s_c, shape_of(s_leaf))
+    num_pages = math.prod(shape_of(k_leaf)) // layout.page_bytes
     bt64, d_flat = bt.long(), dot.d.flatten()
+    bt64 = torch.where(bt64 < 0, bt64 + num_pages, bt64)  # the page a negative id reads, as indexing wraps it
 
     def check(slots_s: torch.Tensor) -> bool:
         want_k = layout.value_offsets(slots_s.repeat_interleave(k_dim)).gather(1, d_flat[:, None]).squeeze(1)
@@ -488,7 +501,7 @@ def prove_k_read(s: Samples, layout: KCacheLayout, leaves: set[torch.fx.Node], d
     match.cache, match.block_table = k_leaf, probes.block_table
     if not families:
         return families, [f"K/k_scale are not read from the cache at the {layout} byte offsets of "
-                          "slot block_table[b, s // P] * P + s % P"]
+                          "slot block_table[b, s // P] * P + s % P (a negative page id read as indexing wraps it)"]
     return families, []
 
 
@@ -549,7 +562,7 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     """Prove the candidate computes decode or prefill MQA logits; :class:`NearMiss` (with its family, when the K
     read or the mask tells it) otherwise."""
     if where is None:
-        raise NearMiss("the head-sum of relu(q·k) is not masked with -inf by a where/masked_fill")
+        raise unmasked(sum_node)
     s, coords = sample_outputs(where, layout, leaves)
     prove_head_sum(s, sum_node, peel_mask(s, where, sum_node, coords))
     dot, others, weight_scale = prove_factors(s.x)
