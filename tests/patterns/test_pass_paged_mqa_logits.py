@@ -160,7 +160,7 @@ class Variant(Indexer):
             scores = scores.relu()
         if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
             scores = scores * c.head_dim ** -0.5 * 0.25
-        if self.variant != "k_scale_after_sum":
+        if self.variant not in ("k_scale_after_sum", "k_scale_after_mask"):
             scores = scores * k_scale.view(batch, 1, 1, max_len)
         if self.variant == "k_scale_twice":
             scores = scores * k_scale.view(batch, 1, 1, max_len)
@@ -170,15 +170,18 @@ class Variant(Indexer):
             scores = scores.sum(dim=1)
         else:
             scores = scores.sum(dim=2)
-        if self.variant == "k_scale_after_sum":  # the same sum, but the mask's chain stops at the mul
-            scores = scores * k_scale.view(batch, 1, max_len)
+        if self.variant == "k_scale_after_sum":  # the same terms: k_scale does not depend on the head
+            scores = scores * k_scale.view(batch, 1, max_len) * 0.5
         last_visible = context_lens.view(batch, 1) - next_n + torch.arange(next_n, device=x.device)
         if self.variant == "mask_off_by_one":
             visible = key_pos < last_visible.unsqueeze(-1)
         else:
             visible = key_pos <= last_visible.unsqueeze(-1)
         logits = torch.full((batch * next_n, c.max_model_len), float("-inf"), device=x.device)
-        logits[:, :max_len] = scores.masked_fill(~visible, float("-inf")).view(batch * next_n, max_len)
+        masked = scores.masked_fill(~visible, float("-inf"))
+        if self.variant == "k_scale_after_mask":  # it multiplies the -inf too (a scale of 0 would make NaNs)
+            masked = masked * (k_scale.view(batch, 1, max_len) + 1.0)
+        logits[:, :max_len] = masked.view(batch * next_n, max_len)
         return logits, self._topk(logits)
 
 
@@ -200,7 +203,7 @@ NEGATIVES = {
     "sum_over_tokens": ("paged", "paged", 16, "q[row, h, d]"),  # a sum mixes q rows before its axis is checked
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
-    "k_scale_after_sum": ("paged", "paged", 1, "users are mul"),
+    "k_scale_after_mask": ("paged", "paged", 1, "0 k_scale factors"),
     "table_clamped_at_0": ("paged", "paged", 1, "negative page id"),
     "table_abs": ("flat", "flat", 1, "negative page id"),
 }
@@ -251,6 +254,14 @@ def test_folds_number_factors_outside_the_relu():
     call = re.search(r"nsa\.paged_mqa_logits\.default\((\w+), (\w+), (\w+), .*, (\w+), ([0-9.e-]+)\)", after)
     assert re.search(rf"{call[3]} = torch\.ops\.aten\.reshape\.default\(getitem_\d+, \[\d, -1, 16\]\)", after)
     assert float(call[5]) == pytest.approx(0.00048828125, rel=1e-12)
+
+
+def test_takes_k_scale_and_numbers_multiplied_onto_the_head_sum():
+    """``(relu(q·k) * w).sum(h) * k_scale * 0.5``: the terms of the idiom, k_scale read after the sum (as the
+    kernel multiplies it), the number folded into the weights."""
+    (graph_dir,) = graph_dirs(assert_variant_fires("k_scale_after_sum"))
+    call = re.search(r"nsa\.paged_mqa_logits\.default\(.*, ([0-9.e-]+)\)", pass_graphs(graph_dir, NAME)[1])
+    assert float(call[1]) == pytest.approx(0.5 * 16**-0.5 * 128**-0.5, rel=1e-12)
 
 
 def test_weights_summed_from_some_splits_are_one_factor():

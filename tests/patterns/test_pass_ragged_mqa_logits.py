@@ -89,7 +89,10 @@ class Variant(Indexer):
             scores = scores.clamp_min(0.25)
         elif self.variant != "no_relu":
             scores = scores.relu()
-        scores = (scores * k_scale * weights.unsqueeze(-1)).sum(dim=1)
+        if self.variant == "k_scale_after_sum":
+            scores = (scores * weights.unsqueeze(-1)).sum(dim=1) * k_scale
+        else:
+            scores = (scores * k_scale * weights.unsqueeze(-1)).sum(dim=1)
         if self.variant == "strictly_causal":
             visible = (token >= ks[:, None]) & (token < token[:, None])
         elif self.variant == "not_ragged":
@@ -98,6 +101,18 @@ class Variant(Indexer):
             visible = (token >= ks[:, None]) & (token <= token[:, None])
         logits = torch.where(visible, scores, float("-inf"))
         return logits, self._topk(logits, ks)
+
+
+def test_takes_k_scale_multiplied_onto_the_head_sum():
+    """``(relu(q·k) * w).sum(h) * k_scale``: the same terms, rewritten; compiled equals eager."""
+    config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
+    model = type("V", (Variant,), {"variant": "k_scale_after_sum"})(config, layout)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    dump_dir = pathlib.Path(tempfile.mkdtemp(prefix="nsa-prefill-k-scale-after-sum-"))
+    options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
+    compiled_fn = torch.compile(model.prefill, backend="nsa_rocm", options=options)
+    assert_matches_eager(model.prefill, compiled_fn, prefill_batch(config, layout, [9, 17, 1], padding_tokens=3, seed=3))
+    assert_fired(dump_dir)
 
 
 NEGATIVES = {

@@ -2,7 +2,8 @@
 logits, checked by probing sampled output elements ``(row, col)`` for every head and every dot index:
 
 - mask: exactly ``col <= ctx[b] - next_n + j`` (decode) or ``cu[seq(row)] <= col <= row`` (prefill);
-- head sum: a sum over one head axis of a product tree holding ``relu(dot)``, ``k_scale`` and ``weights``;
+- head sum: a sum over one head axis of a product tree holding ``relu(dot)``, ``k_scale`` and ``weights``
+  (``k_scale`` and numbers may instead multiply the sum, ``Σ_h (w * relu(dot)) * k_scale``: the same terms);
 - dot: a bmm/mm of fp8 -> fp32 upcasts of q (row ``row``, head ``h``, every dim ``d`` once) and of K;
 - weights: an fp32 ``[rows, H]`` tensor indexed ``(row, h)``;
 - K read: K's bytes and k_scale's 4 bytes at the layout's offsets of ``slot = block_table[b, s // P] * P + s % P``
@@ -116,11 +117,11 @@ def reads_fp8(dot: torch.fx.Node) -> bool:
     return False
 
 
-def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node]:
-    """``(outermost -inf where or None, the last node of the chain)``: the head sum's single users through
-    reshapes, permutes and -inf wheres."""
-    where = None
-    cur = sum_node
+def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node, dict]:
+    """``(outermost -inf where or None, the last node of the chain, {mul: its operand on the chain})``: the head
+    sum's single users through reshapes, permutes, -inf wheres and, below the first where, muls by a factor that
+    keeps the shape (a ``k_scale`` multiplied after the sum; above a where it would multiply the -inf too)."""
+    where, cur, muls = None, sum_node, {}
     while len(cur.users) == 1:
         (user,) = cur.users
         if is_op(user, *RESHAPES, aten.permute.default):
@@ -128,9 +129,13 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
         elif is_op(user, *WHERES) and cur in user.args[1:] \
                 and any(is_neg_inf(a) for a in user.args[1:] if a is not cur):
             where = cur = user
+        elif where is None and is_op(user, aten.mul.Tensor) and user.args[0] is not user.args[1] \
+                and statically_known_true(val(user).numel() == val(cur).numel()):
+            muls[user] = cur
+            cur = user
         else:
             break
-    return where, cur
+    return where, cur, muls
 
 
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
@@ -144,8 +149,8 @@ def unmasked(sum_node: torch.fx.Node) -> NearMiss:
     end = mask_chain(sum_node)[1]
     users = ", ".join(f"{u.name} ({u.target})" for u in end.users) or "none (an output)"
     return NearMiss(f"the head-sum of relu(q·k) is not masked with -inf by a where/masked_fill: the mask must apply "
-                    f"to the sum itself (through reshapes), but {end.name}'s users are {users}; e.g. a factor "
-                    "multiplied after the sum, or a mask on a wider buffer the sum was written into")
+                    f"to the sum (through reshapes and factors multiplied onto it), but {end.name}'s users are "
+                    f"{users}; e.g. a mask on a wider buffer the sum was written into")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,6 +198,7 @@ class Samples:
     m: int = 0
     s_row: torch.Tensor | None = None
     s_col: torch.Tensor | None = None
+    pick: torch.Tensor | None = None  # which samples the head-sum subset took
 
 
 def sample_outputs(where: torch.fx.Node, layout: KCacheLayout, leaves: set[torch.fx.Node]
@@ -224,9 +230,12 @@ def sample_outputs(where: torch.fx.Node, layout: KCacheLayout, leaves: set[torch
     return s, unravel(lin, out_shape)
 
 
-def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords: torch.Tensor) -> torch.Tensor:
-    """Evaluate the -inf wheres between ``where`` and the head sum (``s.visible``); the coordinates at the sum."""
+def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords: torch.Tensor, muls: dict
+              ) -> tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]:
+    """Evaluate the -inf wheres between ``where`` and the head sum (``s.visible``): the coordinates at the sum, and
+    the factors ``muls`` (:func:`mask_chain`) multiply onto it with the coordinates each is read at."""
     s.visible = torch.ones(coords.shape[0], dtype=torch.bool)
+    after = []
     cur, cur_coords = where, coords
     while cur is not sum_node:
         if is_op(cur, *WHERES):
@@ -236,10 +245,15 @@ def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords:
             s.visible &= cond_val if keep_self else ~cond_val
             nxt = a if keep_self else b
             cur, cur_coords = nxt, bmap(cur_coords, shape_of(nxt))
+        elif cur in muls:
+            (factor,) = [a for a in cur.args[:2] if a is not muls[cur]]
+            tensor = isinstance(factor, torch.fx.Node) and isinstance(val(factor), torch.Tensor)
+            after.append((factor, bmap(cur_coords, shape_of(factor)) if tensor else None))
+            cur, cur_coords = muls[cur], bmap(cur_coords, shape_of(muls[cur]))
         cur, cur_coords = follow(cur, cur_coords)
-        if cur is not sum_node and not is_op(cur, *WHERES):
+        if cur is not sum_node and not is_op(cur, *WHERES) and cur not in muls:
             raise NearMiss(f"between the mask and the head sum: {cur.name} ({cur.target})")
-    return cur_coords
+    return cur_coords, after
 
 
 def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor) -> None:
@@ -262,7 +276,7 @@ def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor
         x_coords = base
     else:
         x_coords = torch.cat([base[:, :red], hcol, base[:, red:]], 1)
-    s.sum_node, s.x, s.x_coords, s.heads, s.m = sum_node, x, x_coords, heads, m
+    s.sum_node, s.x, s.x_coords, s.heads, s.m, s.pick = sum_node, x, x_coords, heads, m, pick
     s.s_row, s.s_col = s.row[pick].repeat_interleave(heads), s.col[pick].repeat_interleave(heads)
 
 
@@ -564,11 +578,19 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     if where is None:
         raise unmasked(sum_node)
     s, coords = sample_outputs(where, layout, leaves)
-    prove_head_sum(s, sum_node, peel_mask(s, where, sum_node, coords))
+    sum_coords, after = peel_mask(s, where, sum_node, coords, mask_chain(sum_node)[2])
+    prove_head_sum(s, sum_node, sum_coords)
     dot, others, weight_scale = prove_factors(s.x)
+    factors = [(f, inside, factor_coords(s, f)) for f, inside in others]
+    for f, coords in after:  # multiplied onto the sum: outside the relu, read at each head-sum sample's coordinates
+        if coords is not None:
+            factors.append((f, False, coords[s.pick].repeat_interleave(s.heads, 0)))
+        elif isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f):
+            weight_scale *= f
+        else:
+            raise NearMiss(f"factor {f} multiplied onto the head sum: only finite numbers are folded")
     located = []
-    for f, inside in others:
-        coords = factor_coords(s, f)
+    for f, inside, coords in factors:
         plain = plain_read(s, f, coords, (torch.float32,), [s.keys], [], s.s_col)
         located.append((f, inside, try_locate(s, f, coords)[0], plain))
     scale, weights = [], []  # (one partition: a factor read twice gives equal entries, which hold tensors)
