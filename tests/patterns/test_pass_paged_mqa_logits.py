@@ -178,6 +178,12 @@ class Variant(Indexer):
         else:
             visible = key_pos <= last_visible.unsqueeze(-1)
         logits = torch.full((batch * next_n, c.max_model_len), float("-inf"), device=x.device)
+        if self.variant == "mask_on_the_wider_buffer":  # written first, then masked (SGLang's torch fallback)
+            logits[:, :max_len] = scores.reshape(batch * next_n, max_len)
+            cols = torch.arange(c.max_model_len, device=x.device)
+            wide = cols <= last_visible.reshape(batch * next_n, 1)
+            logits = logits.masked_fill(~wide, float("-inf"))
+            return logits, self._topk(logits)
         masked = scores.masked_fill(~visible, float("-inf"))
         if self.variant == "k_scale_after_mask":  # it multiplies the -inf too (a scale of 0 would make NaNs)
             masked = masked * (k_scale.view(batch, 1, max_len) + 1.0)
@@ -204,6 +210,7 @@ NEGATIVES = {
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
     "k_scale_after_mask": ("paged", "paged", 1, "0 k_scale factors"),
+    "mask_on_the_wider_buffer": ("paged", "paged", 1, "the mask must apply to the sum"),
     "table_clamped_at_0": ("paged", "paged", 1, "negative page id"),
     "table_abs": ("flat", "flat", 1, "negative page id"),
 }
