@@ -37,8 +37,9 @@ MOVED_KEYS_LOGITS_RTOL = 0.04
 def k_cache_difference(layout: KCacheLayout, expected: torch.Tensor, actual: torch.Tensor,
                        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                        slots: torch.Tensor | None = None) -> dict[str, float | int]:
-    """How far two K caches of ``layout`` are apart at ``slots`` (default every slot; negative ones skipped, each
-    slot once). Read on the caches' device, only the compared slots copied to the host.
+    """How far two K caches of ``layout`` are apart at ``slots`` (default every slot; each slot once; negative ones
+    and those past the cache skipped, as a store skips them: a step's slot mapping may hold both). Read on the
+    caches' device, only the compared slots copied to the host.
 
     ``tokens_compared``; ``tokens_moved``: those with any value or scale that differs; ``tokens_scale_differs``: those
     whose scales differ. Over the others: ``values_compared``,
@@ -48,9 +49,10 @@ def k_cache_difference(layout: KCacheLayout, expected: torch.Tensor, actual: tor
     units), ``max_of_bound`` (the largest distance as a fraction of its bound above; inf where only one of a pair is
     NaN or a scale is not a positive number) and ``furthest_slot`` (where that is).
     """
+    num_slots = expected.numel() // layout.page_bytes * layout.page_size
     if slots is None:
-        slots = torch.arange(expected.shape[0] * layout.page_size)
-    slots = slots[slots >= 0].unique().to(expected.device)
+        slots = torch.arange(num_slots)
+    slots = slots[(slots >= 0) & (slots < num_slots)].unique().to(expected.device)
     (ev, es), (av, as_) = (layout.load(c, slots, fp8_dtype) for c in (expected, actual))
     ev, es, av, as_ = (t.cpu() for t in (ev, es, av, as_))
     same_scale = es.view(torch.int32) == as_.view(torch.int32)

@@ -419,6 +419,18 @@ def test_cache_scales_are_decoded():
     assert "a value of slot 3 is inf times its bound away" in decoded(old, want, nan_scale)[0]
 
 
+def test_cache_difference_skips_slots_a_store_skips():
+    """A step's slot mapping with padding (-1) and a slot past the cache (the store writes neither): compared at the
+    slots it wrote, not read outside the cache (an index error on the CPU, a device-side assert on a GPU)."""
+    old, want = cache_step()
+    values, _ = CACHE_LAYOUT.load(want, WRITTEN, torch.float8_e4m3fn)
+    moved = values[1].clone()
+    moved[0] = fp8_steps(moved[:1], 1)[0]
+    slots = torch.cat([WRITTEN, torch.tensor([-1, 64, 10**6])])
+    diff = k_cache_difference(CACHE_LAYOUT, want, stored(want, 17, moved), slots=slots)
+    assert (diff["tokens_compared"], diff["tokens_moved"], diff["values_differing"]) == (len(WRITTEN), 1, 1)
+
+
 def test_cache_writes_outside_the_reference_slots():
     old, want = cache_step()
     outside = want.clone()
