@@ -178,8 +178,9 @@ class Variant(Indexer):
         else:
             visible = key_pos <= last_visible.unsqueeze(-1)
         logits = torch.full((batch * next_n, c.max_model_len), float("-inf"), device=x.device)
-        if self.variant == "mask_on_the_wider_buffer":  # written first, then masked (SGLang's torch fallback)
-            logits[:, :max_len] = scores.reshape(batch * next_n, max_len)
+        if self.variant in ("mask_on_the_wider_buffer", "wider_buffer_short_write"):  # written, then masked there
+            written = max_len - 16 if self.variant == "wider_buffer_short_write" else max_len  # (16: a page)
+            logits[:, :written] = scores.reshape(batch * next_n, max_len)[:, :written]
             cols = torch.arange(c.max_model_len, device=x.device)
             wide = cols <= last_visible.reshape(batch * next_n, 1)
             logits = logits.masked_fill(~wide, float("-inf"))
@@ -210,7 +211,7 @@ NEGATIVES = {
     "layout_preshuffle_vs_paged": ("paged", "preshuffle", 1, "offsets"),
     "scaled_inside_relu": ("paged", "paged", 1, "inside the relu"),
     "k_scale_after_mask": ("paged", "paged", 1, "0 k_scale factors"),
-    "mask_on_the_wider_buffer": ("paged", "paged", 1, "the mask must apply to the sum"),
+    "wider_buffer_short_write": ("paged", "paged", 1, "the mask must apply"),  # a slice of the sum is written
     "table_clamped_at_0": ("paged", "paged", 1, "negative page id"),
     "table_abs": ("flat", "flat", 1, "negative page id"),
 }
@@ -269,6 +270,14 @@ def test_takes_k_scale_and_numbers_multiplied_onto_the_head_sum():
     (graph_dir,) = graph_dirs(assert_variant_fires("k_scale_after_sum"))
     call = re.search(r"nsa\.paged_mqa_logits\.default\(.*, ([0-9.e-]+)\)", pass_graphs(graph_dir, NAME)[1])
     assert float(call[1]) == pytest.approx(0.5 * 16**-0.5 * 128**-0.5, rel=1e-12)
+
+
+def test_takes_the_mask_on_a_wider_buffer_the_sum_was_written_into():
+    """``logits = full(-inf); logits[:, :max_len] = sum; logits.masked_fill(cols > last_visible, -inf)`` (an
+    engine fallback's order): the op writes the whole ``max_model_len`` row (-inf past the block table)."""
+    (graph_dir,) = graph_dirs(assert_variant_fires("mask_on_the_wider_buffer"))
+    call = re.search(r"nsa\.paged_mqa_logits\.default\((?:\w+, ){5}(\d+), 16,", pass_graphs(graph_dir, NAME)[1])
+    assert int(call[1]) == CONFIGS["deepseek_v32"].max_model_len
 
 
 def test_weights_summed_from_some_splits_are_one_factor():

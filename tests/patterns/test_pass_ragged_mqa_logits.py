@@ -99,6 +99,12 @@ class Variant(Indexer):
             visible = token <= token[:, None]
         else:
             visible = (token >= ks[:, None]) & (token <= token[:, None])
+        if self.variant == "wider_buffer":  # written into a wider -inf buffer, then masked there
+            logits = torch.full((num_tokens, num_tokens + 16), float("-inf"))
+            logits[:, :num_tokens] = scores
+            cols = torch.arange(num_tokens + 16)
+            logits = logits.masked_fill(~((cols >= ks[:, None]) & (cols <= token[:, None])), float("-inf"))
+            return logits, self._topk(logits, ks)
         logits = torch.where(visible, scores, float("-inf"))
         return logits, self._topk(logits, ks)
 
@@ -121,6 +127,7 @@ NEGATIVES = {
     "no_relu": ("paged", "paged", "relu"),
     "clamped_at_a_quarter": ("paged", "paged", None),  # (no relu of a dot: not a candidate, no report)
     "layout_paged_vs_preshuffle": ("paged", "preshuffle", "offsets"),
+    "wider_buffer": ("paged", "paged", "wider -inf buffer"),
 }
 
 

@@ -5,7 +5,7 @@ read by byte offsets or through page views), once :func:`~.proofs.analyze` prove
 
     slot = block_table[b, s // P] * P + s % P                       # b = row // next_n, K read at the layout's offsets
     score = (w[row, :, None] * relu(q8[row].float() @ K8[slot].float().T) * k_scale[slot]).sum(0)
-    logits = score.masked_fill(~(s <= context_lens[b] - next_n + j), -inf)
+    logits = score.masked_fill(~(s <= context_lens[b] - next_n + j), -inf)   # or on a wider -inf buffer holding it
     # or the mask s < row_lens[row]: per-row lengths an engine precomputed, a graph input [B * next_n]
 
 Rewrites to ``nsa.paged_mqa_logits(q8 [B, next_n, H, 128], cache, w [B*next_n, H], context_lens, block_table,

@@ -1,7 +1,8 @@
 """Proof that a candidate ``where(mask, Σ_h w * relu(dot(q, k)) * k_scale, -inf)`` computes decode or prefill MQA
 logits, checked by probing sampled output elements ``(row, col)`` for every head and every dot index:
 
-- mask: exactly ``col <= ctx[b] - next_n + j`` (decode) or ``cu[seq(row)] <= col <= row`` (prefill);
+- mask: exactly ``col <= ctx[b] - next_n + j`` (decode) or ``cu[seq(row)] <= col <= row`` (prefill); a decode sum
+  may be written into the leading columns of a wider -inf buffer first, the mask then ``& col < max_pages * P``;
 - head sum: a sum over one head axis of a product tree holding ``relu(dot)``, ``k_scale`` and ``weights``
   (``k_scale`` and numbers may instead multiply the sum, ``Σ_h (w * relu(dot)) * k_scale``: the same terms);
 - dot: a bmm/mm of fp8 -> fp32 upcasts of q (row ``row``, head ``h``, every dim ``d`` once) and of K;
@@ -24,7 +25,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...layout import HEAD_DIM, KCacheLayout
 from ...quant import FP8_DTYPES
 from ..base import NearMiss
-from ..fx_utils import VIEW_OPS, arg, as_int, is_op, prims, same_shape, tensor_val, val, view_chain
+from ..fx_utils import VIEW_OPS, arg, as_int, is_op, norm_dim, prims, same_shape, slice_params, tensor_val, val, \
+    view_chain
 from .probe import INT_DTYPES, RESHAPES, Prober, Probes, bmap, follow, linear, shape_of, unravel
 
 aten = torch.ops.aten
@@ -117,19 +119,35 @@ def reads_fp8(dot: torch.fx.Node) -> bool:
     return False
 
 
+def written_into_neg_inf(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``slice_scatter`` that writes ``src`` (itself, or through a ``copy`` of its shape and dtype) as the leading
+    columns of a ``full(-inf)`` buffer's last dimension (``buf[..., :n] = src``), starting at ``node``; else None."""
+    if is_op(node, aten.copy.default) and node.args[1] is src and len(node.users) == 1 and same_shape(node, src) \
+            and val(node).dtype == val(src).dtype:
+        src, (node,) = node, node.users
+    if not is_op(node, aten.slice_scatter.default) or node.args[1] is not src or not is_neg_inf(node.args[0]):
+        return None
+    dim, start, _, step = slice_params(node, 2)
+    return node if norm_dim(dim, val(node).dim()) == val(node).dim() - 1 and start == 0 and step == 1 else None
+
+
 def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node, dict]:
     """``(outermost -inf where or None, the last node of the chain, {mul: its operand on the chain})``: the head
-    sum's single users through reshapes, permutes, -inf wheres and, below the first where, muls by a factor that
-    keeps the shape (a ``k_scale`` multiplied after the sum; above a where it would multiply the -inf too)."""
-    where, cur, muls = None, sum_node, {}
+    sum's single users through reshapes, permutes, -inf wheres, the write of the sum into the leading columns of a
+    wider -inf buffer and, below the first where and that write, muls by a factor that keeps the shape (a
+    ``k_scale`` multiplied after the sum; above either it would multiply the -inf too)."""
+    where, cur, muls, widened = None, sum_node, {}, False
     while len(cur.users) == 1:
         (user,) = cur.users
+        scatter = written_into_neg_inf(user, cur)
         if is_op(user, *RESHAPES, aten.permute.default):
             cur = user
         elif is_op(user, *WHERES) and cur in user.args[1:] \
                 and any(is_neg_inf(a) for a in user.args[1:] if a is not cur):
             where = cur = user
-        elif where is None and is_op(user, aten.mul.Tensor) and user.args[0] is not user.args[1] \
+        elif scatter is not None:
+            cur, widened = scatter, True
+        elif where is None and not widened and is_op(user, aten.mul.Tensor) and user.args[0] is not user.args[1] \
                 and statically_known_true(val(user).numel() == val(cur).numel()):
             muls[user] = cur
             cur = user
@@ -149,8 +167,8 @@ def unmasked(sum_node: torch.fx.Node) -> NearMiss:
     end = mask_chain(sum_node)[1]
     users = ", ".join(f"{u.name} ({u.target})" for u in end.users) or "none (an output)"
     return NearMiss(f"the head-sum of relu(q·k) is not masked with -inf by a where/masked_fill: the mask must apply "
-                    f"to the sum (through reshapes and factors multiplied onto it), but {end.name}'s users are "
-                    f"{users}; e.g. a mask on a wider buffer the sum was written into")
+                    f"to the sum (through reshapes, factors multiplied onto it and its write into a wider -inf "
+                    f"buffer), but {end.name}'s users are {users}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,6 +217,8 @@ class Samples:
     s_row: torch.Tensor | None = None
     s_col: torch.Tensor | None = None
     pick: torch.Tensor | None = None  # which samples the head-sum subset took
+    written: torch.Tensor | None = None  # the samples inside the columns the sum was written to (all, if not widened)
+    widened: bool = False  # the sum was written into a wider -inf buffer
 
 
 def sample_outputs(where: torch.fx.Node, layout: KCacheLayout, leaves: set[torch.fx.Node]
@@ -235,10 +255,20 @@ def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords:
     """Evaluate the -inf wheres between ``where`` and the head sum (``s.visible``): the coordinates at the sum, and
     the factors ``muls`` (:func:`mask_chain`) multiply onto it with the coordinates each is read at."""
     s.visible = torch.ones(coords.shape[0], dtype=torch.bool)
+    s.written = torch.ones(coords.shape[0], dtype=torch.bool)
     after = []
     cur, cur_coords = where, coords
     while cur is not sum_node:
-        if is_op(cur, *WHERES):
+        if is_op(cur, aten.slice_scatter.default):  # columns past the write hold the buffer's -inf
+            src = cur.args[1]
+            width = shape_of(src)[-1]
+            s.written &= cur_coords[:, -1] < width
+            s.visible &= s.written
+            s.widened = True
+            cur_coords = cur_coords.clone()
+            cur_coords[:, -1] = cur_coords[:, -1].clamp(max=width - 1)
+            cur = src.args[1] if is_op(src, aten.copy.default) else src
+        elif is_op(cur, *WHERES):
             cond, a, b = cur.args
             keep_self = not is_neg_inf(a)
             cond_val = s.prober.value(cond, bmap(cur_coords, shape_of(cond))).bool()
@@ -251,7 +281,7 @@ def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords:
             after.append((factor, bmap(cur_coords, shape_of(factor)) if tensor else None))
             cur, cur_coords = muls[cur], bmap(cur_coords, shape_of(muls[cur]))
         cur, cur_coords = follow(cur, cur_coords)
-        if cur is not sum_node and not is_op(cur, *WHERES) and cur not in muls:
+        if cur is not sum_node and not is_op(cur, *WHERES, aten.slice_scatter.default) and cur not in muls:
             raise NearMiss(f"between the mask and the head sum: {cur.name} ({cur.target})")
     return cur_coords, after
 
@@ -266,9 +296,12 @@ def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor
     heads = x_shape[red]
     if not isinstance(val(x).shape[red], int):
         raise NearMiss("the summed axis has a symbolic size")
-    n = s.row.shape[0]
+    written = s.written.nonzero().squeeze(1)  # (a sample past the columns the sum was written to reads no sum)
+    n = written.shape[0]
+    if n == 0:
+        raise NearMiss("no sampled element lies in the columns the head sum was written to")
     m = min(DOT_SAMPLES, n)
-    pick = torch.cat([torch.arange(min(8, m)), torch.randperm(n, generator=s.probes.gen)[: m - min(8, m)]])
+    pick = written[torch.cat([torch.arange(min(8, m)), torch.randperm(n, generator=s.probes.gen)[: m - min(8, m)]])]
     base = sum_coords[pick].repeat_interleave(heads, 0)
     hcol = torch.arange(heads).repeat(m)[:, None]
     if keepdim:
@@ -533,10 +566,12 @@ def prove_mask(s: Samples, families: set[str], match: Match) -> tuple[str | None
     family = next(iter(families)) if len(families) == 1 else None
     probes, row, col = s.probes, s.row, s.col
     decode_ok = "decode" in allowed and bool(s.batch) and s.rows % s.batch == 0
+    # logits wider than the block table reaches: the op's keys past it are -inf, as the buffer's (docs/indices.md)
+    reach = col < probes.max_seq if s.widened and probes.max_seq is not None else torch.ones_like(col, dtype=torch.bool)
     if decode_ok and probes.ctx_lens is not None:
         next_n = s.rows // s.batch
         ctx = probes.values[probes.ctx_lens].long()
-        if torch.equal(s.visible, col <= ctx[row // next_n] - next_n + row % next_n):
+        if torch.equal(s.visible, (col <= ctx[row // next_n] - next_n + row % next_n) & reach):
             match.lens = probes.ctx_lens
             return "decode", []
     if "prefill" in allowed and probes.cu_seqlens is not None:
@@ -548,7 +583,7 @@ def prove_mask(s: Samples, families: set[str], match: Match) -> tuple[str | None
     inputs = row_inputs(s)
     for end, end_v in inputs:
         below = col < end_v[row]
-        if decode_ok and torch.equal(s.visible, below):
+        if decode_ok and torch.equal(s.visible, below & reach):
             match.row_lens = end
             return "decode", []
         if "prefill" not in allowed:
@@ -615,5 +650,8 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     family, mask_reasons = prove_mask(s, families, match)
     if reasons or mask_reasons:
         raise NearMiss("; ".join(reasons + mask_reasons), family)
+    if s.widened and family != "decode":
+        raise NearMiss(f"{family} logits written into a wider -inf buffer (the op writes the keys' columns only)",
+                       family)
     match.family = family
     return match
