@@ -132,11 +132,12 @@ def written_into_neg_inf(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.No
 
 
 def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node, dict]:
-    """``(outermost -inf where or None, the last node of the chain, {mul: its operand on the chain})``: the head
-    sum's single users through reshapes, permutes, -inf wheres, the write of the sum into the leading columns of a
-    wider -inf buffer and, below the first where and that write, muls by a factor that keeps the shape (a
-    ``k_scale`` multiplied after the sum; above either it would multiply the -inf too)."""
-    where, cur, muls, widened = None, sum_node, {}, False
+    """``(outermost -inf where or None, the last node of the chain, {mul or buffer write: the chain's node it
+    takes})``: the head sum's single users through reshapes, permutes, -inf wheres, the write of the sum into the
+    leading columns of a wider -inf buffer (its ``slice_scatter``) and, below the first where and that write, muls
+    by a factor that keeps the shape (a ``k_scale`` multiplied after the sum; above either it would multiply the
+    -inf too)."""
+    where, cur, steps, widened = None, sum_node, {}, False
     while len(cur.users) == 1:
         (user,) = cur.users
         scatter = written_into_neg_inf(user, cur)
@@ -146,14 +147,15 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
                 and any(is_neg_inf(a) for a in user.args[1:] if a is not cur):
             where = cur = user
         elif scatter is not None:
+            steps[scatter] = cur
             cur, widened = scatter, True
         elif where is None and not widened and is_op(user, aten.mul.Tensor) and user.args[0] is not user.args[1] \
                 and statically_known_true(val(user).numel() == val(cur).numel()):
-            muls[user] = cur
+            steps[user] = cur
             cur = user
         else:
             break
-    return where, cur, muls
+    return where, cur, steps
 
 
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
@@ -250,24 +252,23 @@ def sample_outputs(where: torch.fx.Node, layout: KCacheLayout, leaves: set[torch
     return s, unravel(lin, out_shape)
 
 
-def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords: torch.Tensor, muls: dict
+def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords: torch.Tensor, steps: dict
               ) -> tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]:
     """Evaluate the -inf wheres between ``where`` and the head sum (``s.visible``): the coordinates at the sum, and
-    the factors ``muls`` (:func:`mask_chain`) multiply onto it with the coordinates each is read at."""
+    the factors the muls of ``steps`` (:func:`mask_chain`) multiply onto it with the coordinates each is read at."""
     s.visible = torch.ones(coords.shape[0], dtype=torch.bool)
     s.written = torch.ones(coords.shape[0], dtype=torch.bool)
     after = []
     cur, cur_coords = where, coords
     while cur is not sum_node:
-        if is_op(cur, aten.slice_scatter.default):  # columns past the write hold the buffer's -inf
-            src = cur.args[1]
-            width = shape_of(src)[-1]
+        if cur in steps and is_op(cur, aten.slice_scatter.default):  # past the written columns: the buffer's -inf
+            width = shape_of(steps[cur])[-1]
             s.written &= cur_coords[:, -1] < width
             s.visible &= s.written
             s.widened = True
             cur_coords = cur_coords.clone()
             cur_coords[:, -1] = cur_coords[:, -1].clamp(max=width - 1)
-            cur = src.args[1] if is_op(src, aten.copy.default) else src
+            cur = steps[cur]
         elif is_op(cur, *WHERES):
             cond, a, b = cur.args
             keep_self = not is_neg_inf(a)
@@ -275,13 +276,13 @@ def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords:
             s.visible &= cond_val if keep_self else ~cond_val
             nxt = a if keep_self else b
             cur, cur_coords = nxt, bmap(cur_coords, shape_of(nxt))
-        elif cur in muls:
-            (factor,) = [a for a in cur.args[:2] if a is not muls[cur]]
+        elif cur in steps:  # a mul
+            (factor,) = [a for a in cur.args[:2] if a is not steps[cur]]
             tensor = isinstance(factor, torch.fx.Node) and isinstance(val(factor), torch.Tensor)
             after.append((factor, bmap(cur_coords, shape_of(factor)) if tensor else None))
-            cur, cur_coords = muls[cur], bmap(cur_coords, shape_of(muls[cur]))
+            cur, cur_coords = steps[cur], bmap(cur_coords, shape_of(steps[cur]))
         cur, cur_coords = follow(cur, cur_coords)
-        if cur is not sum_node and not is_op(cur, *WHERES, aten.slice_scatter.default) and cur not in muls:
+        if cur is not sum_node and not is_op(cur, *WHERES) and cur not in steps:
             raise NearMiss(f"between the mask and the head sum: {cur.name} ({cur.target})")
     return cur_coords, after
 
