@@ -156,6 +156,12 @@ class Variant(Indexer):
             scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "clamped_at_a_quarter":  # max(s, 0.25) is not relu(s)
             scores = scores.clamp_min(0.25)
+        elif self.variant == "leaky_relu":
+            scores = torch.nn.functional.leaky_relu(scores, 0.01)
+        elif self.variant == "relu_as_maximum":
+            scores = torch.maximum(scores, torch.zeros_like(scores))
+        elif self.variant == "relu_as_where":
+            scores = torch.where(scores > 0, scores, 0.0)
         elif self.variant != "no_relu":
             scores = scores.relu()
         if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
@@ -196,7 +202,8 @@ NEGATIVES = {
     # variant: (eager layout, compiled layout option, next_n, expected words in the reason; None: no report)
     "mask_off_by_one": ("paged", "paged", 1, "mask"),
     "no_relu": ("paged", "paged", 1, "relu"),
-    "clamped_at_a_quarter": ("paged", "paged", 1, None),  # (no relu of a dot: not a candidate, no report)
+    "clamped_at_a_quarter": ("paged", "paged", 1, "through clamp_min"),
+    "leaky_relu": ("paged", "paged", 1, "which is not relu"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),
@@ -278,6 +285,13 @@ def test_takes_the_mask_on_a_wider_buffer_the_sum_was_written_into():
     (graph_dir,) = graph_dirs(assert_variant_fires("mask_on_the_wider_buffer"))
     call = re.search(r"nsa\.paged_mqa_logits\.default\((?:\w+, ){5}(\d+), 16,", pass_graphs(graph_dir, NAME)[1])
     assert int(call[1]) == CONFIGS["deepseek_v32"].max_model_len
+
+
+@pytest.mark.parametrize("variant", ["relu_as_maximum", "relu_as_where"])
+def test_takes_relu_spelled_otherwise(variant):
+    """``maximum(s, zeros_like(s))`` and ``where(s > 0, s, 0)`` are the relu (leaky_relu and ``clamp_min(s, 0.25)``
+    are near misses naming the op: ``test_does_not_fire_on_lookalikes``)."""
+    assert_variant_fires(variant)
 
 
 def test_weights_summed_from_some_splits_are_one_factor():

@@ -25,8 +25,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...layout import HEAD_DIM, KCacheLayout
 from ...quant import FP8_DTYPES
 from ..base import NearMiss
-from ..fx_utils import VIEW_OPS, arg, as_int, is_op, norm_dim, prims, same_shape, slice_params, tensor_val, val, \
-    view_chain
+from ..fx_utils import VIEW_OPS, arg, as_int, describe, is_op, norm_dim, prims, same_shape, slice_params, tensor_val, \
+    val, view_chain
 from .probe import INT_DTYPES, RESHAPES, Prober, Probes, bmap, follow, linear, shape_of, unravel
 
 aten = torch.ops.aten
@@ -84,12 +84,49 @@ def product_tree(node: torch.fx.Node, numel: int | None = None) -> tuple[list[to
     return [node], []
 
 
+def _is_zero(x: Any) -> bool:
+    """The number 0, or a ``full`` of 0 (how a traced ``zeros_like`` or the scalar 0 of ``where`` arrives)."""
+    if is_op(x, aten.full.default):
+        x = x.args[1]
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+
 def relu_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    if is_op(node, aten.relu.default):
+    """``x`` of ``relu(x)`` spelled ``relu``, ``clamp_min(x, 0)``, ``maximum(x, 0)`` or ``where(x > 0, x, 0)``
+    (the last gives 0 where x is NaN, as the GPU kernels' max does; relu gives NaN: a NaN q·k comes from NaN fp8
+    codes, whose row's scale is NaN too, docs/indices.md)."""
+    if is_op(node, aten.relu.default) or (is_op(node, aten.clamp_min.default) and _is_zero(node.args[1])):
         return node.args[0]
-    if is_op(node, aten.clamp_min.default) and node.args[1] == 0:
-        return node.args[0]
+    if is_op(node, aten.maximum.default):
+        x, other = node.args if _is_zero(node.args[1]) else node.args[::-1]
+    elif is_op(node, *WHERES) and is_op(node.args[0], aten.gt.Scalar) and _is_zero(node.args[0].args[1]) \
+            and node.args[0].args[0] is node.args[1]:
+        x, other = node.args[1:]
+    else:
+        return None
+    if not (_is_zero(other) and isinstance(x, torch.fx.Node) and same_shape(x, node)):
+        return None
+    return x if val(x).dtype == val(node).dtype else None  # (a float64 0 would promote the scores)
+
+
+def activated_dot(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The fp8 dot under ``node`` where ``node`` is some other function of it than relu (``abs``, ``gelu``'s
+    terms, ``relu(dot) + c``, ``clamp(dot, 0, 6)``): followed through first operands, a few ops deep, for the near
+    miss that names it."""
+    for _ in range(4):
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function" or not node.args:
+            return None
+        node = view_chain(relu_input(node) or node.args[0], REINDEX)[0]
+        if is_dot(node):
+            return node if reads_fp8(node) else None
     return None
+
+
+def _through(factors: list[torch.fx.Node]) -> str:
+    """Where the fp8 dot reaches a product only through another function of it: the words that name it."""
+    other = next((f for f in factors if not is_dot(f) and activated_dot(f) is not None), None)
+    return "" if other is None else (f": the dot reaches the product through {describe(other)}, which is not relu, "
+                                     "clamp_min(·, 0), maximum(·, 0) or where(· > 0, ·, 0)")
 
 
 def is_dot(node: torch.fx.Node) -> bool:
@@ -103,7 +140,7 @@ def product_dots(sum_node: torch.fx.Node) -> list[torch.fx.Node]:
     inner = []
     for f in factors:
         r = relu_input(f)
-        inner += product_tree(r)[0] if r is not None else [f]
+        inner += [activated_dot(g) or g for g in (product_tree(r)[0] if r is not None else [f])]
     return [f for f in inner if is_dot(f)] if len(factors) >= 2 else []
 
 
@@ -324,7 +361,7 @@ def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.
     weight_scale = math.prod(scalars, start=1.0)
     relus = [f for f in factors if relu_input(f) is not None]
     if not relus:
-        raise NearMiss("no relu on the q·k scores")
+        raise NearMiss(f"no relu on the q·k scores{_through(factors)}")
     if len(relus) > 1:
         raise NearMiss("more than one relu factor in the head-sum product")
     inner, inner_scalars = product_tree(relu_input(relus[0]))
@@ -332,7 +369,7 @@ def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.
         raise NearMiss(f"scalar factor(s) {inner_scalars} inside the relu")
     dots = [f for f in inner if is_dot(f)]
     if len(dots) != 1:
-        raise NearMiss(f"{len(dots)} bmm/mm factors inside the relu, expected one")
+        raise NearMiss(f"{len(dots)} bmm/mm factors inside the relu, expected one{_through(inner)}")
     others = [(f, False) for f in factors if f is not relus[0]] + [(f, True) for f in inner if f is not dots[0]]
     return dots[0], others, weight_scale
 
