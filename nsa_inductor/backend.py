@@ -45,8 +45,8 @@ def nsa_rocm(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = Non
     patches["post_grad_custom_post_pass"] = manager
     reference = reference_graph(gm) if nsa_options.verify else None
     with _eager_layer_norm(nsa_options.eager_layer_norm), _rounding_casts_kept(), \
-            reports_kept_with_cache(gm, example_inputs, manager) as reports:
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            reports_kept_with_cache(gm, example_inputs, manager) as (reports, inner_compile):
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     if reference is None:
         return compiled
     cache_bytes_passes = {p.name for p in manager.passes if p.may_change_cache_bytes}

@@ -2,12 +2,14 @@
 which sits in front of it) still reports what its passes did.
 
 A cache hit runs no post-grad pass, so the pass manager never sees the graph. The ``nsa_rocm`` backend does: it
-keys each Dynamo graph by its code, its inputs' metadata and the pass manager's ``uuid()`` (the same things the
-cache keys hold), saves the reports the passes made under ``<inductor cache dir>/nsa_reports/<key>.json`` after a
-compile, and when a compile hits Inductor's caches (their hit counters moved and no pass ran) it re-issues the saved
-reports: in ``last_reports()`` and the dump directory, marked ``"served_from_cache": true``. A hit on an entry this
-process cannot find a saved report for (the cache was filled by ``install()`` or another program) gets a report
-saying so, with ``"passes": null``.
+keys each graph by its code, its inputs' metadata and the pass manager's ``uuid()`` (the same things the cache keys
+hold), saves the reports the passes made under ``<inductor cache dir>/nsa_reports/<key>.json`` after a compile, and
+when a compile hits Inductor's caches (their hit counters moved and no pass ran) it re-issues the saved reports: in
+``last_reports()`` and the dump directory, marked ``"served_from_cache": true``. Two keys, as the two caches have:
+the Dynamo graph's (the AOTAutograd cache's level) and each ATen graph Inductor's inner compile gets (the FX graph
+cache's level: Dynamo graphs of other code, ``torch.sin(x)`` or ``x.sin()``, can trace to one ATen graph and share
+its entry). A hit on an entry this process cannot find a saved report for (the cache was filled by ``install()`` or
+another program) gets a report saying so, with ``"passes": null``.
 """
 
 from __future__ import annotations
@@ -16,20 +18,21 @@ import contextlib
 import hashlib
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .debug import GraphDumper
 from .pass_manager import REPORTS, NsaPassManager
 
-_HIT_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))
+_FX_HIT = ("inductor", "fxgraph_cache_hit")
+_HIT_COUNTERS = (_FX_HIT, ("aot_autograd", "autograd_cache_hit"))
 
 
-def _hits() -> int:
-    from torch._dynamo.utils import counters
+def _hits(counters: tuple = _HIT_COUNTERS) -> int:
+    from torch._dynamo.utils import counters as torch_counters
 
-    return sum(counters[group][name] for group, name in _HIT_COUNTERS)
+    return sum(torch_counters[group][name] for group, name in counters)
 
 
 def _key(gm: torch.fx.GraphModule, example_inputs, manager: NsaPassManager) -> str | None:
@@ -54,20 +57,39 @@ def _path(key: str) -> str:
 
 @contextlib.contextmanager
 def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs,
-                            manager: NsaPassManager) -> Iterator[list[dict[str, Any]]]:
+                            manager: NsaPassManager) -> Iterator[tuple[list[dict[str, Any]], Callable]]:
     """Around one ``compile_fx`` call of the backend: save the reports it makes, or re-issue them on a cache hit.
-    Yields a list that holds, after the block, the reports of this compile (made or re-issued)."""
+    Yields a list that holds, after the block, the reports of this compile (made or re-issued), and the inner compile
+    to give ``compile_fx``, which does the same for each ATen graph."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner_compile(aten_gm: torch.fx.GraphModule, aten_inputs, **kwargs):
+        aten_key = _key(aten_gm, aten_inputs, manager)
+        before, hits = list(REPORTS), _hits((_FX_HIT,))
+        compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        made = _new_reports(before)
+        if aten_key is not None and made:
+            _save(aten_key, made)
+        elif aten_key is not None and _hits((_FX_HIT,)) > hits:
+            _reissue(aten_key, manager, saved_only=True)  # (none saved: the Dynamo graph's key is tried next)
+        return compiled
+
     key = _key(gm, example_inputs, manager)
     before, hits = list(REPORTS), _hits()  # the list keeps these alive: their ids cannot be reused meanwhile
     this_compile: list[dict[str, Any]] = []
-    yield this_compile
-    this_compile += [r for r in REPORTS if not any(r is b for b in before)]
+    yield this_compile, inner_compile
+    this_compile += _new_reports(before)
     if key is None:
         return
-    if this_compile:
-        _save(key, this_compile)
-    elif _hits() > hits:
+    made = [r for r in this_compile if not r.get("served_from_cache")]
+    if made:
+        _save(key, made)
+    elif not this_compile and _hits() > hits:
         this_compile += _reissue(key, manager)
+
+
+def _new_reports(before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in REPORTS if not any(r is b for b in before)]
 
 
 def _save(key: str, reports: list[dict[str, Any]]) -> None:
@@ -81,11 +103,14 @@ def _save(key: str, reports: list[dict[str, Any]]) -> None:
         pass  # the cache dir is Inductor's: if it cannot be written, Inductor's own entry is not there either
 
 
-def _reissue(key: str, manager: NsaPassManager) -> list[dict[str, Any]]:
+def _reissue(key: str, manager: NsaPassManager, saved_only: bool = False) -> list[dict[str, Any]]:
+    """The reports saved under ``key``, re-issued; none saved: a report saying so, or nothing (``saved_only``)."""
     try:
         with open(_path(key)) as f:
             saved: list[dict[str, Any]] = json.load(f)
     except (OSError, ValueError):
+        if saved_only:
+            return []
         saved = [{"passes": None, "note": "served from Inductor's cache, filled without the nsa_rocm backend "
                                           "(install() or another program): no report was kept"}]
     reissued = []

@@ -187,6 +187,27 @@ def test_fx_graph_cache_hits_across_processes_and_misses_on_a_new_layout(tmp_pat
     assert (hits, misses) == (0, 1)
 
 
+SAME_ATEN_GRAPH_SCRIPT = """
+    import json, torch, nsa_inductor
+    from torch._dynamo.utils import counters
+    first = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="nsa_rocm")
+    second = torch.compile(lambda x: x.sin().mul(2).add(1), backend="nsa_rocm")
+    first(torch.randn(8))
+    second(torch.randn(8))
+    print(json.dumps([counters["inductor"]["fxgraph_cache_hit"], nsa_inductor.last_reports()[-2:]]))
+"""
+
+
+def test_a_graph_spelled_otherwise_served_from_the_cache_keeps_its_report(tmp_path):
+    """Two Dynamo graphs of other code that trace to one ATen graph: the second hits the entry the first filled (with
+    the nsa passes), and reports what they did then rather than "no report was kept"."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    hits, (compiled, served) = json.loads(run_python(SAME_ATEN_GRAPH_SCRIPT, env).splitlines()[-1])
+    assert hits == 1 and served["served_from_cache"] and served["compiled_as"] == compiled["graph"]
+    assert served["passes"] == compiled["passes"] is not None
+
+
 def _fold_any_float_chain(match, arg, dtype1, dtype2):
     """torch 2.11's ``pointless_convert``: every float-to-float conversion chain becomes one conversion."""
     node = match.output_node()
