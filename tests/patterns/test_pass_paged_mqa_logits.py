@@ -199,7 +199,7 @@ class Variant(Indexer):
 
 
 NEGATIVES = {
-    # variant: (eager layout, compiled layout option, next_n, expected words in the reason; None: no report)
+    # variant: (eager layout, compiled layout option, next_n, expected words in the reason)
     "mask_off_by_one": ("paged", "paged", 1, "mask"),
     "no_relu": ("paged", "paged", 1, "relu"),
     "clamped_at_a_quarter": ("paged", "paged", 1, "through clamp_min"),
@@ -242,9 +242,7 @@ def test_does_not_fire_on_lookalikes(variant):
     model.scale_cache = batch.kv_cache.flip(0)  # read by k_scale_other_cache only
     assert_matches_eager(model.decode, compiled_fn, batch)
     reasons = near_miss_reasons(dump_dir, NAME)
-    if words is not None:
-        assert reasons, "no near miss recorded"
-        assert any(words in r for r in reasons), reasons
+    assert any(words in r for r in reasons), reasons
 
 
 def assert_variant_fires(variant: str) -> pathlib.Path:
