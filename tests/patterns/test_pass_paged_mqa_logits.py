@@ -170,10 +170,12 @@ class Variant(Indexer):
             scores = scores * k_scale.view(batch, 1, 1, max_len)
         if self.variant == "k_scale_twice":
             scores = scores * k_scale.view(batch, 1, 1, max_len)
-        if self.variant not in ("no_weights", "weights_inside_relu"):
+        if self.variant not in ("no_weights", "weights_inside_relu", "heads_summed_by_einsum"):
             scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
             scores = scores.sum(dim=1)
+        elif self.variant == "heads_summed_by_einsum":  # the same sum, as a bmm with the weights
+            scores = torch.einsum("bnhs,bnh->bns", scores, weights.view(batch, next_n, c.n_heads))
         else:
             scores = scores.sum(dim=2)
         if self.variant == "k_scale_after_sum":  # the same terms: k_scale does not depend on the head
@@ -204,6 +206,7 @@ NEGATIVES = {
     "no_relu": ("paged", "paged", 1, "relu"),
     "clamped_at_a_quarter": ("paged", "paged", 1, "through clamp_min"),
     "leaky_relu": ("paged", "paged", 1, "which is not relu"),
+    "heads_summed_by_einsum": ("paged", "paged", 1, "contracted with another tensor"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),

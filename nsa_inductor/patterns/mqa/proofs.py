@@ -196,9 +196,17 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
 
 
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
-    """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not)."""
+    """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not),
+    and for every bmm/mm with a relu of an fp8 dot in an operand's product (heads summed by an einsum with the
+    weights: a near miss, :func:`analyze`)."""
     return [(node, mask_chain(node)[0]) for node in graph.nodes
-            if is_op(node, aten.sum.dim_IntList) and product_dots(node)]
+            if is_op(node, aten.sum.dim_IntList) and product_dots(node) or is_dot(node) and any(
+                isinstance(a, torch.fx.Node) and _holds_relu_of_fp8_dot(a) for a in node.args[:2])]
+
+
+def _holds_relu_of_fp8_dot(node: torch.fx.Node) -> bool:
+    return any(r is not None and any(is_dot(g) and reads_fp8(g) for g in product_tree(r)[0])
+               for r in map(relu_input, product_tree(node)[0]))
 
 
 def unmasked(sum_node: torch.fx.Node) -> NearMiss:
@@ -648,6 +656,10 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
             leaves: set[torch.fx.Node]) -> Match:
     """Prove the candidate computes decode or prefill MQA logits; :class:`NearMiss` (with its family, when the K
     read or the mask tells it) otherwise."""
+    if is_dot(sum_node):
+        raise NearMiss(f"relu(q·k) is contracted with another tensor by {describe(sum_node)} (e.g. the heads summed "
+                       "by an einsum with the weights): the idiom sums the heads of a product, "
+                       "(relu(q·k) * w).sum(dim=heads)")
     if where is None:
         raise unmasked(sum_node)
     s, coords = sample_outputs(where, layout, leaves)
