@@ -140,7 +140,7 @@ def product_dots(sum_node: torch.fx.Node) -> list[torch.fx.Node]:
     inner = []
     for f in factors:
         r = relu_input(f)
-        inner += [activated_dot(g) or g for g in (product_tree(r)[0] if r is not None else [f])]
+        inner += [g if is_dot(g) else activated_dot(g) or g for g in (product_tree(r)[0] if r is not None else [f])]
     return [f for f in inner if is_dot(f)] if len(factors) >= 2 else []
 
 
