@@ -2,14 +2,17 @@
 
 Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked idiom (values used only for the
 ``== -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
-indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns).
+indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns), also
+spelled as a descending sort cut to its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not
+``stable=True``, whose ties come in column order).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
 mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader, the logits op leaves the
 masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
-``== -inf`` test, a fill other than -1, an offset that is not one value per row.
+``== -inf`` test, a fill other than -1, an offset that is not one value per row; a sort that is ascending, stable,
+cut other than ``[..., :k]`` or whose values are used.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def search(logits: torch.Tensor, offset: torch.Tensor, k: int) -> torch.Tensor:
 def search_plain(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Plain top-k indices: the values are not used."""
     return torch.topk(logits, k).indices
+
+
+def search_sorted_cut(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The same, as a descending sort cut to its first k columns."""
+    return logits.argsort(dim=-1, descending=True)[:, :k]
 
 
 def replacement(logits: torch.Tensor, offset: torch.Tensor | None, k: int, lengths: torch.Tensor | None, pad: str,
@@ -100,12 +108,53 @@ def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | No
     return insert_call(graph, aten.reshape.default, (per_step, [-1]))
 
 
-def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
-    """The pieces of the idiom anchored at ``topk``; :class:`NearMiss` with the reason it is not the idiom."""
-    logits = topk.args[0]
+def _logits(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.Tensor]:
+    logits = node.args[0]
     fake = tensor_val(logits)
     if fake is None or fake.dim() != 2 or fake.dtype != torch.float32:
         raise NearMiss(f"logits must be 2-D fp32, got {None if fake is None else (fake.dtype, list(fake.shape))}")
+    return logits, fake
+
+
+def _cut_sort(node: torch.fx.Node) -> bool:
+    """A sort whose indices some ``[..., :end]`` of the last dim reads: a top-k candidate (other sorts, e.g. a
+    sampler's, are not reported)."""
+    if not is_op(node, aten.sort.default, aten.sort.stable) or tensor_val(node.args[0]) is None:
+        return False
+    indices = _outputs(node)[1]
+    rank = tensor_val(node.args[0]).dim()
+    return indices is not None and any(is_op(u, aten.alias.default) or is_op(u, aten.slice.Tensor) and arg(
+        u, 2, "start", 0) == 0 and norm_dim(arg(u, 1, "dim", 0), rank) == rank - 1 for u in indices.users)
+
+
+def match_sorted_cut(sort: torch.fx.Node) -> dict[str, Any]:
+    """``sort(x, -1, descending=True)`` whose values are unused and whose indices are cut to ``[..., :k]``: plain
+    top-k indices in torch's order (an unstable sort leaves ties in any order, as topk)."""
+    logits, fake = _logits(sort)
+    stable = is_op(sort, aten.sort.stable) and bool(sort.kwargs.get("stable"))
+    if not arg(sort, 2, "descending", False):
+        raise NearMiss("an ascending sort (the smallest values first)")
+    if norm_dim(arg(sort, 1, "dim", -1), 2) != 1:
+        raise NearMiss("a sort over a dim other than the last")
+    if stable:
+        raise NearMiss("a stable sort: equal values in column order, which the op does not keep")
+    values, indices = _outputs(sort)
+    if values is not None and values.users:
+        raise NearMiss("the sorted values are used (the op returns indices only)")
+    cut = _only_user(indices) if indices is not None else None
+    width = as_int(fake.shape[1])
+    end = width if is_op(cut, aten.alias.default) else arg(cut, 3, "end")  # (an alias: the cut of the whole row)
+    if not (is_op(cut, aten.alias.default) or is_op(cut, aten.slice.Tensor) and norm_dim(arg(cut, 1, "dim", 0), 2) == 1
+            and arg(cut, 2, "start", 0) == 0 and arg(cut, 4, "step", 1) == 1) \
+            or not isinstance(end, int) or end < 0 or width is None:
+        raise NearMiss("the sorted indices are not cut once to their first k columns ([..., :k], k static)")
+    return {"logits": logits, "k": min(end, width), "offset": None, "replace": cut, "int64": True, "pad": "column",
+            "sorted": True}
+
+
+def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
+    """The pieces of the idiom anchored at ``topk``; :class:`NearMiss` with the reason it is not the idiom."""
+    logits, fake = _logits(topk)
     if norm_dim(arg(topk, 2, "dim", -1), 2) != 1:
         raise NearMiss("top-k over a dim other than the last")
     if not arg(topk, 3, "largest", True):
@@ -154,10 +203,10 @@ class TopkIndices(GraphPass):
         self.order = order
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
-        return [n for n in graph.nodes if is_op(n, aten.topk.default)]
+        return [n for n in graph.nodes if is_op(n, aten.topk.default) or _cut_sort(n)]
 
     def rewrite(self, graph: torch.fx.Graph, topk: torch.fx.Node, ctx: PassContext | None) -> None:
-        found = match_topk(topk)
+        found = match_topk(topk) if is_op(topk, aten.topk.default) else match_sorted_cut(topk)
         replaced = found["replace"]
         logits = found["logits"]
         with graph.inserting_before(replaced):

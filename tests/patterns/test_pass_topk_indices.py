@@ -31,7 +31,9 @@ def topk_cases(draw):
 
 
 def count_topk(gm) -> int:
-    return sum(n.target is torch.ops.aten.topk.default for n in gm.graph.nodes)
+    """topk nodes, and the sorts a sorted cut spells top-k with."""
+    aten = torch.ops.aten
+    return sum(n.target in (aten.topk.default, aten.sort.default, aten.sort.stable) for n in gm.graph.nodes)
 
 
 def run_pass(fn, *args, order="sorted"):
@@ -93,6 +95,14 @@ def plain_unsorted(logits, k):
     return torch.topk(logits, k, sorted=False)[1]
 
 
+def argsort_cut(logits, k):
+    return logits.argsort(dim=-1, descending=True)[:, :k]
+
+
+def sort_cut(logits, k):
+    return torch.sort(logits, descending=True, stable=False)[1][..., :k]
+
+
 def assert_plain_topk(got, logits, k, sorted_):
     """torch.topk's contract: k distinct columns, values >= every unselected one, -inf entries keep columns."""
     assert got.dtype == torch.int64
@@ -110,7 +120,8 @@ def assert_plain_topk(got, logits, k, sorted_):
 def test_fires_on_plain_spellings(case):
     """Values unused: the op keeps torch's semantics (columns of -inf entries, never -1; torch's order)."""
     logits, k, _ = case
-    for fn, sorted_ in ((plain_indices, True), (plain_method_getitem, True), (plain_unsorted, False)):
+    for fn, sorted_ in ((plain_indices, True), (plain_method_getitem, True), (plain_unsorted, False),
+                        (argsort_cut, True), (sort_cut, True)):
         result, before, after, removed = run_pass(lambda x: fn(x, k), logits)
         assert (result.matched, removed) == (1, 1), result.near_misses
         assert_plain_topk(after, logits, k, sorted_)
@@ -193,6 +204,28 @@ def bf16_logits(logits):
     return indices.masked_fill(values == INF, -1)
 
 
+def stable_sort_cut(logits):
+    """Ties in column order: the op's sorted order breaks them otherwise."""
+    return torch.sort(logits, descending=True, stable=True)[1][:, :3]
+
+
+def ascending_sort_cut(logits):
+    return logits.argsort(dim=-1)[:, :3]
+
+
+def sorted_values_used(logits):
+    values, indices = logits.sort(dim=-1, descending=True)
+    return values[:, :3], indices[:, :3]
+
+
+def sort_cut_with_step(logits):
+    return logits.argsort(dim=-1, descending=True)[:, :4:2]
+
+
+def first_dim_sort_cut(logits):
+    return logits.argsort(dim=0, descending=True)[:, :3]
+
+
 @pytest.mark.parametrize("fn, reason", [
     (values_also_returned, "values are used for something other"),
     (plain_values_returned, "values are used for something other"),
@@ -207,6 +240,11 @@ def bf16_logits(logits):
     (indices_read_twice, "indices have other users"),
     (first_dim, "dim other than the last"),
     (bf16_logits, "must be 2-D fp32"),
+    (stable_sort_cut, "a stable sort"),
+    (ascending_sort_cut, "ascending"),
+    (sorted_values_used, "sorted values are used"),
+    (sort_cut_with_step, "not cut once to their first k columns"),
+    (first_dim_sort_cut, "a dim other than the last"),
 ])
 def test_near_misses_keep_torch_topk(fn, reason):
     logits = topk_logits_small()
@@ -229,6 +267,18 @@ def test_one_compile_serves_every_row_count():
         assert as_rows(compiled(logits)) == as_rows(indexer_topk(logits, 5))
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
+
+
+def test_a_compiled_sorted_cut_is_rewritten():
+    """``argsort(descending=True)[:, :k]`` compiled: the op in the graph (no sort left), torch's order and columns."""
+    from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_entry, pass_graphs
+
+    compiled, dump_dir = compile_with_dumps(lambda x: argsort_cut(x, 5), dynamic=False)
+    logits = masked_logits(3, 40, 0.3, seed=7)
+    assert torch.equal(compiled(logits), argsort_cut(logits, 5))
+    (graph_dir,) = graph_dirs(dump_dir)
+    assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
+    assert "aten.sort" not in pass_graphs(graph_dir, "topk_indices")[1]
 
 
 def paged_topk(q8, cache, w, ctx, bt, *, also_logits):
