@@ -68,9 +68,11 @@ def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs,
         before, hits = list(REPORTS), _hits((_FX_HIT,))
         compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         made = _new_reports(before)
-        if aten_key is not None and made:
+        if aten_key is None:
+            return compiled
+        if made:
             _save(aten_key, made)
-        elif aten_key is not None and _hits((_FX_HIT,)) > hits:
+        elif _hits((_FX_HIT,)) > hits:
             _reissue(aten_key, manager, saved_only=True)  # (none saved: the Dynamo graph's key is tried next)
         return compiled
 

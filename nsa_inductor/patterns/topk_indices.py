@@ -1,4 +1,4 @@
-"""The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see ``search`` / ``search_plain`` below).
+"""The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see the ``search*`` functions below).
 
 Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked idiom (values used only for the
 ``== -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
@@ -131,22 +131,23 @@ def match_sorted_cut(sort: torch.fx.Node) -> dict[str, Any]:
     """``sort(x, -1, descending=True)`` whose values are unused and whose indices are cut to ``[..., :k]``: plain
     top-k indices in torch's order (an unstable sort leaves ties in any order, as topk)."""
     logits, fake = _logits(sort)
-    stable = is_op(sort, aten.sort.stable) and bool(sort.kwargs.get("stable"))
     if not arg(sort, 2, "descending", False):
         raise NearMiss("an ascending sort (the smallest values first)")
     if norm_dim(arg(sort, 1, "dim", -1), 2) != 1:
         raise NearMiss("a sort over a dim other than the last")
-    if stable:
+    if is_op(sort, aten.sort.stable) and sort.kwargs.get("stable"):
         raise NearMiss("a stable sort: equal values in column order, which the op does not keep")
     values, indices = _outputs(sort)
     if values is not None and values.users:
         raise NearMiss("the sorted values are used (the op returns indices only)")
     cut = _only_user(indices) if indices is not None else None
-    width = as_int(fake.shape[1])
-    end = width if is_op(cut, aten.alias.default) else arg(cut, 3, "end")  # (an alias: the cut of the whole row)
-    if not (is_op(cut, aten.alias.default) or is_op(cut, aten.slice.Tensor) and norm_dim(arg(cut, 1, "dim", 0), 2) == 1
-            and arg(cut, 2, "start", 0) == 0 and arg(cut, 4, "step", 1) == 1) \
-            or not isinstance(end, int) or end < 0 or width is None:
+    width, end = as_int(fake.shape[1]), None
+    if is_op(cut, aten.alias.default):  # the cut of the whole row
+        end = width
+    elif is_op(cut, aten.slice.Tensor) and norm_dim(arg(cut, 1, "dim", 0), 2) == 1 and arg(cut, 2, "start", 0) == 0 \
+            and arg(cut, 4, "step", 1) == 1:
+        end = arg(cut, 3, "end")
+    if not isinstance(end, int) or end < 0 or width is None:
         raise NearMiss("the sorted indices are not cut once to their first k columns ([..., :k], k static)")
     return {"logits": logits, "k": min(end, width), "offset": None, "replace": cut, "int64": True, "pad": "column",
             "sorted": True}

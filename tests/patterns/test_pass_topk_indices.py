@@ -95,10 +95,6 @@ def plain_unsorted(logits, k):
     return torch.topk(logits, k, sorted=False)[1]
 
 
-def argsort_cut(logits, k):
-    return logits.argsort(dim=-1, descending=True)[:, :k]
-
-
 def sort_cut(logits, k):
     return torch.sort(logits, descending=True, stable=False)[1][..., :k]
 
@@ -121,7 +117,7 @@ def test_fires_on_plain_spellings(case):
     """Values unused: the op keeps torch's semantics (columns of -inf entries, never -1; torch's order)."""
     logits, k, _ = case
     for fn, sorted_ in ((plain_indices, True), (plain_method_getitem, True), (plain_unsorted, False),
-                        (argsort_cut, True), (sort_cut, True)):
+                        (topk_indices.search_sorted_cut, True), (sort_cut, True)):
         result, before, after, removed = run_pass(lambda x: fn(x, k), logits)
         assert (result.matched, removed) == (1, 1), result.near_misses
         assert_plain_topk(after, logits, k, sorted_)
@@ -273,9 +269,9 @@ def test_a_compiled_sorted_cut_is_rewritten():
     """``argsort(descending=True)[:, :k]`` compiled: the op in the graph (no sort left), torch's order and columns."""
     from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_entry, pass_graphs
 
-    compiled, dump_dir = compile_with_dumps(lambda x: argsort_cut(x, 5), dynamic=False)
+    compiled, dump_dir = compile_with_dumps(lambda x: topk_indices.search_sorted_cut(x, 5), dynamic=False)
     logits = masked_logits(3, 40, 0.3, seed=7)
-    assert torch.equal(compiled(logits), argsort_cut(logits, 5))
+    assert torch.equal(compiled(logits), topk_indices.search_sorted_cut(logits, 5))
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
     assert "aten.sort" not in pass_graphs(graph_dir, "topk_indices")[1]

@@ -1,7 +1,8 @@
 """plain-torch paged (decode) MQA logits -> ``nsa.paged_mqa_logits``.
 
 Matches (any spelling: einsum/matmul, masked_fill/where, relu as ``clamp_min``/``maximum``/``where`` with 0, scale
-inside or outside the relu or on the head sum, K read by byte offsets or through page views), once :func:`~.proofs.analyze` proves it by probing::
+inside or outside the relu or on the head sum, K read by byte offsets or through page views), once
+:func:`~.proofs.analyze` proves it by probing::
 
     slot = block_table[b, s // P] * P + s % P                       # b = row // next_n, K read at the layout's offsets
     score = (w[row, :, None] * relu(q8[row].float() @ K8[slot].float().T) * k_scale[slot]).sum(0)
