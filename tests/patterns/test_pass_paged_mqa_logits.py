@@ -170,12 +170,15 @@ class Variant(Indexer):
             scores = scores * k_scale.view(batch, 1, 1, max_len)
         if self.variant == "k_scale_twice":
             scores = scores * k_scale.view(batch, 1, 1, max_len)
-        if self.variant not in ("no_weights", "weights_inside_relu", "heads_summed_by_einsum"):
+        if self.variant not in ("no_weights", "weights_inside_relu", "heads_summed_by_einsum",
+                                "heads_summed_by_einsum_with_one_row_weights"):
             scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
             scores = scores.sum(dim=1)
         elif self.variant == "heads_summed_by_einsum":  # the same sum, as a bmm with the weights
             scores = torch.einsum("bnhs,bnh->bns", scores, weights.view(batch, next_n, c.n_heads))
+        elif self.variant == "heads_summed_by_einsum_with_one_row_weights":  # every row weighted by row 0's
+            scores = torch.einsum("bnhs,h->bns", scores, weights[0])
         else:
             scores = scores.sum(dim=2)
         if self.variant == "k_scale_after_sum":  # the same terms: k_scale does not depend on the head
@@ -206,7 +209,7 @@ NEGATIVES = {
     "no_relu": ("paged", "paged", 1, "relu"),
     "clamped_at_a_quarter": ("paged", "paged", 1, "through clamp_min"),
     "leaky_relu": ("paged", "paged", 1, "which is not relu"),
-    "heads_summed_by_einsum": ("paged", "paged", 1, "contracted with another tensor"),
+    "heads_summed_by_einsum_with_one_row_weights": ("paged", "paged", 1, "per (row, head)"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),
@@ -286,6 +289,14 @@ def test_takes_the_mask_on_a_wider_buffer_the_sum_was_written_into():
     (graph_dir,) = graph_dirs(assert_variant_fires("mask_on_the_wider_buffer"))
     call = re.search(r"nsa\.paged_mqa_logits\.default\((?:\w+, ){5}(\d+), 16,", pass_graphs(graph_dir, NAME)[1])
     assert int(call[1]) == CONFIGS["deepseek_v32"].max_model_len
+
+
+def test_takes_heads_summed_by_an_einsum_with_the_weights():
+    """``einsum("bnhs,bnh->bns", relu(q·k) * k_scale, w)``: the head sum as a bmm contracting the heads with the
+    weights, rewritten."""
+    (graph_dir,) = graph_dirs(assert_variant_fires("heads_summed_by_einsum"))
+    before, after = pass_graphs(graph_dir, NAME)
+    assert count_ops(before, "aten.bmm") == 2 and count_ops(after, "aten.bmm") == 0
 
 
 @pytest.mark.parametrize("variant", ["relu_as_maximum", "relu_as_where"])

@@ -93,6 +93,10 @@ class Variant(Indexer):
             scores = scores.relu()
         if self.variant == "k_scale_after_sum":
             scores = (scores * weights.unsqueeze(-1)).sum(dim=1) * k_scale
+        elif self.variant == "heads_summed_by_einsum":  # the same sum, as an mm with the weights
+            scores = torch.einsum("ths,th->ts", scores * k_scale, weights)
+        elif self.variant == "heads_summed_by_einsum_with_one_token_weights":  # every token weighted by token 0's
+            scores = torch.einsum("ths,h->ts", scores * k_scale, weights[0])
         else:
             scores = (scores * k_scale * weights.unsqueeze(-1)).sum(dim=1)
         if self.variant == "strictly_causal":
@@ -111,10 +115,10 @@ class Variant(Indexer):
         return logits, self._topk(logits, ks)
 
 
-@pytest.mark.parametrize("variant", ["k_scale_after_sum", "relu_as_where"])
+@pytest.mark.parametrize("variant", ["k_scale_after_sum", "relu_as_where", "heads_summed_by_einsum"])
 def test_takes_the_same_terms_spelled_otherwise(variant):
-    """``(relu(q·k) * w).sum(h) * k_scale``, or the relu as ``where(s > 0, s, 0)``: the same terms, rewritten;
-    compiled equals eager."""
+    """``(relu(q·k) * w).sum(h) * k_scale``, the relu as ``where(s > 0, s, 0)``, or the heads summed by an einsum
+    with the weights: the same terms, rewritten; compiled equals eager."""
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = type("V", (Variant,), {"variant": variant})(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
@@ -132,6 +136,7 @@ NEGATIVES = {
     "clamped_at_a_quarter": ("paged", "paged", "through clamp_min"),
     "layout_paged_vs_preshuffle": ("paged", "preshuffle", "offsets"),
     "wider_buffer": ("paged", "paged", "wider -inf buffer"),
+    "heads_summed_by_einsum_with_one_token_weights": ("paged", "paged", "per (row, head)"),
 }
 
 

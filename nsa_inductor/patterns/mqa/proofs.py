@@ -4,7 +4,8 @@ logits, checked by probing sampled output elements ``(row, col)`` for every head
 - mask: exactly ``col <= ctx[b] - next_n + j`` (decode) or ``cu[seq(row)] <= col <= row`` (prefill); a decode sum
   may be written into the leading columns of a wider -inf buffer first, the mask then ``& col < max_pages * P``;
 - head sum: a sum over one head axis of a product tree holding ``relu(dot)``, ``k_scale`` and ``weights``
-  (``k_scale`` and numbers may instead multiply the sum, ``Σ_h (w * relu(dot)) * k_scale``: the same terms);
+  (``k_scale`` and numbers may instead multiply the sum, ``Σ_h (w * relu(dot)) * k_scale``: the same terms), or a
+  bmm/mm contracting the heads of two such trees (an einsum of ``relu(dot) * k_scale`` with the weights);
 - dot: a bmm/mm of fp8 -> fp32 upcasts of q (row ``row``, head ``h``, every dim ``d`` once) and of K;
 - weights: an fp32 ``[rows, H]`` tensor indexed ``(row, h)``;
 - K read: K's bytes and k_scale's 4 bytes at the layout's offsets of ``slot = block_table[b, s // P] * P + s % P``
@@ -198,7 +199,7 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
     """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not),
     and for every bmm/mm with a relu of an fp8 dot in an operand's product (heads summed by an einsum with the
-    weights: a near miss, :func:`analyze`)."""
+    weights)."""
     return [(node, mask_chain(node)[0]) for node in graph.nodes
             if is_op(node, aten.sum.dim_IntList) and product_dots(node) or is_dot(node) and any(
                 isinstance(a, torch.fx.Node) and _holds_relu_of_fp8_dot(a) for a in node.args[:2])]
@@ -257,8 +258,8 @@ class Samples:
     visible: torch.Tensor | None = None  # the mask at every sample
     # the head-sum subset (``DOT_SAMPLES`` samples, each repeated for every head)
     sum_node: torch.fx.Node | None = None
-    x: torch.fx.Node | None = None  # the summed product
-    x_coords: torch.Tensor | None = None
+    # the summed product's trees and their coordinates: one for a sum, a bmm/mm's two operands
+    roots: list[tuple[torch.fx.Node, torch.Tensor]] | None = None
     heads: int = 0
     m: int = 0
     s_row: torch.Tensor | None = None
@@ -333,14 +334,18 @@ def peel_mask(s: Samples, where: torch.fx.Node, sum_node: torch.fx.Node, coords:
 
 
 def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor) -> None:
-    """One summed (head) axis of static size; picks the dot samples and their coordinates in the summed product."""
-    x, dims, keepdim = sum_node.args[0], sum_node.args[1], arg(sum_node, 2, "keepdim", False)
-    x_shape = shape_of(x)
-    if dims is None or len(dims) != 1:
-        raise NearMiss(f"{sum_node.name} reduces {dims}, expected exactly one (head) axis")
-    red = dims[0] % len(x_shape)
+    """One summed (head) axis of static size: a sum's, or the contraction of a bmm/mm; picks the dot samples and
+    their coordinates in the summed product's trees."""
+    if is_dot(sum_node):
+        x_shape, red = shape_of(sum_node.args[0]), -1
+    else:
+        x, dims, keepdim = sum_node.args[0], sum_node.args[1], arg(sum_node, 2, "keepdim", False)
+        x_shape = shape_of(x)
+        if dims is None or len(dims) != 1:
+            raise NearMiss(f"{sum_node.name} reduces {dims}, expected exactly one (head) axis")
+        red = dims[0] % len(x_shape)
     heads = x_shape[red]
-    if not isinstance(val(x).shape[red], int):
+    if not isinstance(val(sum_node.args[0]).shape[red], int):
         raise NearMiss("the summed axis has a symbolic size")
     written = s.written.nonzero().squeeze(1)  # (a sample past the columns the sum was written to reads no sum)
     n = written.shape[0]
@@ -350,20 +355,27 @@ def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor
     pick = written[torch.cat([torch.arange(min(8, m)), torch.randperm(n, generator=s.probes.gen)[: m - min(8, m)]])]
     base = sum_coords[pick].repeat_interleave(heads, 0)
     hcol = torch.arange(heads).repeat(m)[:, None]
-    if keepdim:
+    if is_dot(sum_node):  # out[..., i, j] = Σ_h a[..., i, h] * b[..., h, j]
+        roots = [(sum_node.args[0], torch.cat([base[:, :-1], hcol], 1)),
+                 (sum_node.args[1], torch.cat([base[:, :-2], hcol, base[:, -1:]], 1))]
+    elif keepdim:
         base[:, red] = hcol[:, 0]
-        x_coords = base
+        roots = [(x, base)]
     else:
-        x_coords = torch.cat([base[:, :red], hcol, base[:, red:]], 1)
-    s.sum_node, s.x, s.x_coords, s.heads, s.m, s.pick = sum_node, x, x_coords, heads, m, pick
+        roots = [(x, torch.cat([base[:, :red], hcol, base[:, red:]], 1))]
+    s.sum_node, s.roots, s.heads, s.m, s.pick = sum_node, roots, heads, m, pick
     s.s_row, s.s_col = s.row[pick].repeat_interleave(heads), s.col[pick].repeat_interleave(heads)
 
 
-def prove_factors(x: torch.fx.Node) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, bool]], float]:
-    """The product is ``relu(dot * ...) * ...`` with one relu and one dot: ``(dot, [(other factor, inside relu)],
-    product of the number factors outside the relu)``; those numbers (a scale chain Inductor left unfolded, e.g.
-    ``* H**-0.5 * D**-0.5`` of the gate) are folded into the weights by the rewrite."""
-    factors, scalars = product_tree(x)
+def prove_factors(roots: list[torch.fx.Node]) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, bool]], float]:
+    """The product of the trees ``roots`` is ``relu(dot * ...) * ...`` with one relu and one dot: ``(dot, [(other
+    factor, inside relu)], product of the number factors outside the relu)``; those numbers (a scale chain Inductor
+    left unfolded, e.g. ``* H**-0.5 * D**-0.5`` of the gate) are folded into the weights by the rewrite."""
+    factors, scalars = [], []
+    for root in roots:
+        tensors, numbers = product_tree(root)
+        factors += tensors
+        scalars += numbers
     if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in scalars):
         raise NearMiss(f"scalar factor(s) {scalars} in the head-sum product: only finite numbers are folded")
     weight_scale = math.prod(scalars, start=1.0)
@@ -400,7 +412,7 @@ def factor_coords(s: Samples, target: torch.fx.Node) -> torch.Tensor:
         r_in = relu_input(node2)
         return walk(r_in, c2) if r_in is not None else None
 
-    found = walk(s.x, s.x_coords)
+    found = next((c for c in (walk(root, coords) for root, coords in s.roots) if c is not None), None)
     if found is None:
         raise NearMiss(f"could not trace {target.name} in the product")
     return found
@@ -656,16 +668,12 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
             leaves: set[torch.fx.Node]) -> Match:
     """Prove the candidate computes decode or prefill MQA logits; :class:`NearMiss` (with its family, when the K
     read or the mask tells it) otherwise."""
-    if is_dot(sum_node):
-        raise NearMiss(f"relu(q·k) is contracted with another tensor by {describe(sum_node)} (e.g. the heads summed "
-                       "by an einsum with the weights): the idiom sums the heads of a product, "
-                       "(relu(q·k) * w).sum(dim=heads)")
     if where is None:
         raise unmasked(sum_node)
     s, coords = sample_outputs(where, layout, leaves)
     sum_coords, after = peel_mask(s, where, sum_node, coords, mask_chain(sum_node)[2])
     prove_head_sum(s, sum_node, sum_coords)
-    dot, others, weight_scale = prove_factors(s.x)
+    dot, others, weight_scale = prove_factors([root for root, _ in s.roots])
     factors = [(f, inside, factor_coords(s, f)) for f, inside in others]
     for f, coords in after:  # multiplied onto the sum: outside the relu, read at each head-sum sample's coordinates
         if coords is not None:
