@@ -175,6 +175,10 @@ class Variant(Indexer):
             scores = scores * weights.view(batch, next_n, c.n_heads, 1)
         if self.variant == "sum_over_tokens":  # next_n == H: sums the next_n axis instead of the heads
             scores = scores.sum(dim=1)
+        elif self.variant == "heads_averaged":  # the mean: the sum times 1/H
+            scores = scores.mean(dim=2)
+        elif self.variant == "heads_summed_in_float64":  # float64 logits (the buffer's copy rounds them back)
+            scores = scores.sum(dim=2, dtype=torch.float64)
         elif self.variant == "heads_summed_by_einsum":  # the same sum, as a bmm with the weights
             scores = torch.einsum("bnhs,bnh->bns", scores, weights.view(batch, next_n, c.n_heads))
         elif self.variant == "heads_summed_by_einsum_with_one_row_weights":  # every row weighted by row 0's
@@ -210,6 +214,7 @@ NEGATIVES = {
     "clamped_at_a_quarter": ("paged", "paged", 1, "through clamp_min"),
     "leaky_relu": ("paged", "paged", 1, "which is not relu"),
     "heads_summed_by_einsum_with_one_row_weights": ("paged", "paged", 1, "per (row, head)"),
+    "heads_summed_in_float64": ("paged", "paged", 1, "sums in torch.float64"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
     "weights_bf16": ("paged", "paged", 1, "not an fp32"),
     "weights_inside_relu": ("paged", "paged", 1, "inside the relu"),
@@ -289,6 +294,13 @@ def test_takes_the_mask_on_a_wider_buffer_the_sum_was_written_into():
     (graph_dir,) = graph_dirs(assert_variant_fires("mask_on_the_wider_buffer"))
     call = re.search(r"nsa\.paged_mqa_logits\.default\((?:\w+, ){5}(\d+), 16,", pass_graphs(graph_dir, NAME)[1])
     assert int(call[1]) == CONFIGS["deepseek_v32"].max_model_len
+
+
+def test_takes_the_mean_over_the_heads():
+    """``(relu(q·k) * k_scale * w).mean(dim=heads)``: the head sum with 1/H folded into the weights' number."""
+    (graph_dir,) = graph_dirs(assert_variant_fires("heads_averaged"))
+    call = re.search(r"nsa\.paged_mqa_logits\.default\(.*, ([0-9.e-]+)\)", pass_graphs(graph_dir, NAME)[1])
+    assert float(call[1]) == pytest.approx(16**-0.5 * 128**-0.5 / 16, rel=1e-12)
 
 
 def test_takes_heads_summed_by_an_einsum_with_the_weights():

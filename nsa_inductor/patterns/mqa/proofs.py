@@ -4,8 +4,9 @@ logits, checked by probing sampled output elements ``(row, col)`` for every head
 - mask: exactly ``col <= ctx[b] - next_n + j`` (decode) or ``cu[seq(row)] <= col <= row`` (prefill); a decode sum
   may be written into the leading columns of a wider -inf buffer first, the mask then ``& col < max_pages * P``;
 - head sum: a sum over one head axis of a product tree holding ``relu(dot)``, ``k_scale`` and ``weights``
-  (``k_scale`` and numbers may instead multiply the sum, ``Σ_h (w * relu(dot)) * k_scale``: the same terms), or a
-  bmm/mm contracting the heads of two such trees (an einsum of ``relu(dot) * k_scale`` with the weights);
+  (``k_scale`` and numbers may instead multiply the sum, ``Σ_h (w * relu(dot)) * k_scale``: the same terms), their
+  mean over the heads (the sum times 1/H), or a bmm/mm contracting the heads of two such trees (an einsum of
+  ``relu(dot) * k_scale`` with the weights);
 - dot: a bmm/mm of fp8 -> fp32 upcasts of q (row ``row``, head ``h``, every dim ``d`` once) and of K;
 - weights: an fp32 ``[rows, H]`` tensor indexed ``(row, h)``;
 - K read: K's bytes and k_scale's 4 bytes at the layout's offsets of ``slot = block_table[b, s // P] * P + s % P``
@@ -36,6 +37,7 @@ MASK_SAMPLES = 4096
 DOT_SAMPLES = 48
 WHERES = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther)
 REINDEX = RESHAPES + (aten.permute.default, aten.expand.default)
+HEAD_SUMS = (aten.sum.dim_IntList, aten.mean.dim)  # a mean: the sum times 1/H, folded into the weights
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,11 +199,11 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
 
 
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
-    """``(sum, outermost -inf where or None)`` for every head-sum of a product holding a dot (inside relu or not),
-    and for every bmm/mm with a relu of an fp8 dot in an operand's product (heads summed by an einsum with the
+    """``(sum, outermost -inf where or None)`` for every head-sum (or mean) of a product holding a dot (inside relu
+    or not), and for every bmm/mm with a relu of an fp8 dot in an operand's product (heads summed by an einsum with the
     weights)."""
     return [(node, mask_chain(node)[0]) for node in graph.nodes
-            if is_op(node, aten.sum.dim_IntList) and product_dots(node) or is_dot(node) and any(
+            if is_op(node, *HEAD_SUMS) and product_dots(node) or is_dot(node) and any(
                 isinstance(a, torch.fx.Node) and _holds_relu_of_fp8_dot(a) for a in node.args[:2])]
 
 
@@ -340,6 +342,8 @@ def prove_head_sum(s: Samples, sum_node: torch.fx.Node, sum_coords: torch.Tensor
         x_shape, red = shape_of(sum_node.args[0]), -1
     else:
         x, dims, keepdim = sum_node.args[0], sum_node.args[1], arg(sum_node, 2, "keepdim", False)
+        if arg(sum_node, 3, "dtype", None) not in (None, val(x).dtype):
+            raise NearMiss(f"{sum_node.name} sums in {arg(sum_node, 3, 'dtype', None)}, not the product's dtype")
         x_shape = shape_of(x)
         if dims is None or len(dims) != 1:
             raise NearMiss(f"{sum_node.name} reduces {dims}, expected exactly one (head) axis")
@@ -674,6 +678,8 @@ def analyze(sum_node: torch.fx.Node, where: torch.fx.Node | None, layout: KCache
     sum_coords, after = peel_mask(s, where, sum_node, coords, mask_chain(sum_node)[2])
     prove_head_sum(s, sum_node, sum_coords)
     dot, others, weight_scale = prove_factors([root for root, _ in s.roots])
+    if is_op(sum_node, aten.mean.dim):
+        weight_scale /= s.heads
     factors = [(f, inside, factor_coords(s, f)) for f, inside in others]
     for f, coords in after:  # multiplied onto the sum: outside the relu, read at each head-sum sample's coordinates
         if coords is not None:
