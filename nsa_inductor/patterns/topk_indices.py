@@ -1,7 +1,7 @@
 """The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see the ``search*`` functions below).
 
 Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked idiom (values used only for the
-``== -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
+``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
 indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns), also
 spelled as a descending sort cut to its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not
 ``stable=True``, whose ties come in column order).
@@ -11,7 +11,7 @@ masked columns past each row's last visible key unwritten (``write_masked=False`
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
-``== -inf`` test, a fill other than -1, an offset that is not one value per row; a sort that is ascending, stable,
+``== -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one value per row; a sort that is ascending, stable,
 cut other than ``[..., :k]`` or whose values are used.
 """
 
@@ -172,13 +172,19 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
         return {"logits": logits, "k": k, "offset": None, "replace": indices, "int64": True, "pad": "column",
                 "sorted": sorted_}
     test = _only_user(values)
-    if not (is_op(test, aten.eq.Scalar) and test.args[0] is values and test.args[1] == float("-inf")):
+    compared = is_op(test, aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar) and test.args[0] is values \
+        and test.args[1] == float("-inf")
+    if compared and is_op(test, aten.gt.Scalar):
+        raise NearMiss("the -inf test is values > -inf, which is false for NaN too: a NaN's index would become -1, "
+                       "where the op keeps it (test values == -inf or values != -inf)")
+    if not compared:
         raise NearMiss("the top-k values are used for something other than the == -inf test (the op returns "
                        "indices only)")
     fill = _only_user(test)
-    if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[1])):
+    kept, filled = (1, 2) if is_op(test, aten.ne.Scalar) else (2, 1)  # where(values != -inf, indices, -1)
+    if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[filled])):
         raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))")
-    chosen, offset = fill.args[2], None
+    chosen, offset = fill.args[kept], None
     if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1 \
             and chosen.kwargs.get("alpha", 1) == 1:
         offset = _row_offset(chosen.args[1], fake.shape[0])

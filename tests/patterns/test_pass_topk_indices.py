@@ -56,6 +56,11 @@ def where_spelling_int64(logits, offset, k):
     return torch.where(values.isneginf(), -1, indices - offset.view(-1, 1))
 
 
+def not_neg_inf_spelling(logits, k):
+    values, indices = torch.topk(logits, k)
+    return torch.where(values != INF, indices, -1).to(torch.int32)
+
+
 def indexer_topk_uint8(logits, k):
     """Cast to uint8 (-1 becomes 255): the op's int32 output may replace only a cast to int32."""
     values, indices = torch.topk(logits, k, dim=-1)
@@ -74,6 +79,7 @@ def test_fires_and_keeps_the_sets(case):
                      (lambda x, o: indexer_topk_with_offset(x, o, k), (logits, offset)),
                      (lambda x, o: topk_indices.search(x, o, k), (logits, offset)),
                      (lambda x, o: where_spelling_int64(x, o, k), (logits, offset)),
+                     (lambda x: not_neg_inf_spelling(x, k), (logits,)),
                      (lambda x: indexer_topk_uint8(x, k), (logits,))):
         result, before, after, removed = run_pass(fn, *args)
         assert (result.matched, removed) == (1, 1), result.near_misses
@@ -156,6 +162,17 @@ def other_test(logits):
     return indices.masked_fill(values < 0, -1)
 
 
+def above_neg_inf_test(logits):
+    """``values > -inf`` is false for NaN too: a NaN's index becomes -1, which the op keeps."""
+    values, indices = torch.topk(logits, 3)
+    return torch.where(values > INF, indices, -1)
+
+
+def not_neg_inf_other_fill(logits):
+    values, indices = torch.topk(logits, 3)
+    return torch.where(values != INF, -1, indices)
+
+
 def per_element_offset(logits):
     values, indices = torch.topk(logits, 3)
     return (indices - indices.flip(0)).masked_fill(values == INF, -1)
@@ -222,12 +239,25 @@ def first_dim_sort_cut(logits):
     return logits.argsort(dim=0, descending=True)[:, :3]
 
 
+@pytest.mark.parametrize("fn", [indexer_topk, not_neg_inf_spelling])
+def test_nan_entries_keep_their_index(fn):
+    """NaN is neither == -inf nor (for ``!=``) kept out: a selected NaN keeps its column in both masked spellings, as
+    in the op (NaN ranks first, as in torch.topk)."""
+    logits = topk_logits_small()
+    logits[0, 1] = logits[2, 4] = float("nan")
+    result, before, after, _ = run_pass(lambda x: fn(x, 3), logits)
+    assert result.matched == 1 and torch.equal(after, before)
+    assert before[0, 0] == 1 and before[2, 0] == 4
+
+
 @pytest.mark.parametrize("fn, reason", [
     (values_also_returned, "values are used for something other"),
     (plain_values_returned, "values are used for something other"),
     (smallest, "largest=False"),
     (other_fill, "not replaced by -1"),
     (other_test, "used for something other than the == -inf test"),
+    (above_neg_inf_test, "false for NaN too"),
+    (not_neg_inf_other_fill, "not replaced by -1"),
     (per_element_offset, "not one integer offset per row"),
     (scaled_offset, "not one integer offset per row|not to the top-k indices"),
     (gathered_offset, "not one integer offset per row"),
