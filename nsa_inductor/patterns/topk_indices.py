@@ -1,18 +1,18 @@
 """The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see the ``search*`` functions below).
 
 Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked idiom (values used only for the
-``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or plain top-k
-indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their columns), also
-spelled as a descending sort cut to its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not
-``stable=True``, whose ties come in column order).
+``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or
+plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their
+columns), also spelled as a descending sort cut to its first k columns
+(``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column order).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
 mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader, the logits op leaves the
 masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
-``== -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one value per row; a sort that is ascending, stable,
-cut other than ``[..., :k]`` or whose values are used.
+``== -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one value per row; a
+sort that is ascending, stable, cut other than ``[..., :k]`` or whose values are used.
 """
 
 from __future__ import annotations

@@ -241,8 +241,8 @@ def first_dim_sort_cut(logits):
 
 @pytest.mark.parametrize("fn", [indexer_topk, not_neg_inf_spelling])
 def test_nan_entries_keep_their_index(fn):
-    """NaN is neither == -inf nor (for ``!=``) kept out: a selected NaN keeps its column in both masked spellings, as
-    in the op (NaN ranks first, as in torch.topk)."""
+    """``NaN == -inf`` is false and ``NaN != -inf`` true: a selected NaN keeps its column in both masked spellings,
+    as in the op (NaN ranks first, as in torch.topk)."""
     logits = topk_logits_small()
     logits[0, 1] = logits[2, 4] = float("nan")
     result, before, after, _ = run_pass(lambda x: fn(x, 3), logits)
