@@ -256,14 +256,14 @@ def test_does_not_fire_on_lookalikes(variant):
     assert any(words in r for r in reasons), reasons
 
 
-def assert_variant_fires(variant: str) -> pathlib.Path:
-    """The variant compiled (static shapes) equals eager and is rewritten; returns its dump directory."""
+def assert_variant_fires(variant: str, dynamic: bool = False) -> pathlib.Path:
+    """The variant compiled (static shapes, or symbolic) equals eager and is rewritten; returns its dump directory."""
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = type("V", (Variant,), {"variant": variant})(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))
     dump_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"nsa-{variant}-"))
     options = {"nsa.layout": "paged", "nsa.page_size": layout.page_size, "nsa.dump_dir": str(dump_dir)}
-    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=False, options=options)
+    compiled_fn = torch.compile(model.decode, backend="nsa_rocm", dynamic=dynamic, options=options)
     assert_matches_eager(model.decode, compiled_fn, decode_batch(config, layout, [5, 33, 17], max_len=48, seed=2))
     assert_fired(dump_dir)
     return dump_dir
@@ -303,10 +303,11 @@ def test_takes_the_mean_over_the_heads():
     assert float(call[1]) == pytest.approx(16**-0.5 * 128**-0.5 / 16, rel=1e-12)
 
 
-def test_takes_heads_summed_by_an_einsum_with_the_weights():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_takes_heads_summed_by_an_einsum_with_the_weights(dynamic):
     """``einsum("bnhs,bnh->bns", relu(q·k) * k_scale, w)``: the head sum as a bmm contracting the heads with the
-    weights, rewritten."""
-    (graph_dir,) = graph_dirs(assert_variant_fires("heads_summed_by_einsum"))
+    weights, rewritten; also with symbolic sizes, where a reshape after the bmm reads its size (``sym_size``)."""
+    (graph_dir,) = graph_dirs(assert_variant_fires("heads_summed_by_einsum", dynamic))
     before, after = pass_graphs(graph_dir, NAME)
     assert count_ops(before, "aten.bmm") == 2 and count_ops(after, "aten.bmm") == 0
 

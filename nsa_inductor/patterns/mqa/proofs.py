@@ -178,8 +178,8 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
     by a factor that keeps the shape (a ``k_scale`` multiplied after the sum; above either it would multiply the
     -inf too)."""
     where, cur, steps, widened = None, sum_node, {}, False
-    while len(cur.users) == 1:
-        (user,) = cur.users
+    while len(_value_users(cur)) == 1:
+        (user,) = _value_users(cur)
         scatter = written_into_neg_inf(user, cur)
         if is_op(user, *RESHAPES, aten.permute.default):
             cur = user
@@ -196,6 +196,12 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
         else:
             break
     return where, cur, steps
+
+
+def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users that read ``node``'s values: not its ``sym_size`` (under dynamic shapes a reshape's size is read
+    from the tensor before it, e.g. an einsum's output view)."""
+    return [u for u in node.users if not is_op(u, aten.sym_size.int)]
 
 
 def candidates(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node | None]]:
