@@ -116,6 +116,12 @@ def _logits(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.Tensor]:
     return logits, fake
 
 
+def _leading_cut(node: Any, rank: int) -> bool:
+    """``node`` is ``x[..., :end]`` (any step) of a rank-``rank`` tensor's last dim."""
+    return is_op(node, aten.slice.Tensor) and arg(node, 2, "start", 0) == 0 \
+        and norm_dim(arg(node, 1, "dim", 0), rank) == rank - 1
+
+
 def _cut_sort(node: torch.fx.Node) -> bool:
     """A sort whose indices some ``[..., :end]`` of the last dim reads: a top-k candidate (other sorts, e.g. a
     sampler's, are not reported)."""
@@ -123,8 +129,7 @@ def _cut_sort(node: torch.fx.Node) -> bool:
         return False
     indices = _outputs(node)[1]
     rank = tensor_val(node.args[0]).dim()
-    return indices is not None and any(is_op(u, aten.alias.default) or is_op(u, aten.slice.Tensor) and arg(
-        u, 2, "start", 0) == 0 and norm_dim(arg(u, 1, "dim", 0), rank) == rank - 1 for u in indices.users)
+    return indices is not None and any(is_op(u, aten.alias.default) or _leading_cut(u, rank) for u in indices.users)
 
 
 def match_sorted_cut(sort: torch.fx.Node) -> dict[str, Any]:
@@ -144,8 +149,7 @@ def match_sorted_cut(sort: torch.fx.Node) -> dict[str, Any]:
     width, end = as_int(fake.shape[1]), None
     if is_op(cut, aten.alias.default):  # the cut of the whole row
         end = width
-    elif is_op(cut, aten.slice.Tensor) and norm_dim(arg(cut, 1, "dim", 0), 2) == 1 and arg(cut, 2, "start", 0) == 0 \
-            and arg(cut, 4, "step", 1) == 1:
+    elif _leading_cut(cut, 2) and arg(cut, 4, "step", 1) == 1:
         end = arg(cut, 3, "end")
     if not isinstance(end, int) or end < 0 or width is None:
         raise NearMiss("the sorted indices are not cut once to their first k columns ([..., :k], k static)")
@@ -172,14 +176,13 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
         return {"logits": logits, "k": k, "offset": None, "replace": indices, "int64": True, "pad": "column",
                 "sorted": sorted_}
     test = _only_user(values)
-    compared = is_op(test, aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar) and test.args[0] is values \
-        and test.args[1] == float("-inf")
-    if compared and is_op(test, aten.gt.Scalar):
-        raise NearMiss("the -inf test is values > -inf, which is false for NaN too: a NaN's index would become -1, "
-                       "where the op keeps it (test values == -inf or values != -inf)")
-    if not compared:
+    if not (is_op(test, aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar) and test.args[0] is values
+            and test.args[1] == float("-inf")):
         raise NearMiss("the top-k values are used for something other than the == -inf test (the op returns "
                        "indices only)")
+    if is_op(test, aten.gt.Scalar):
+        raise NearMiss("the -inf test is values > -inf, which is false for NaN too: a NaN's index would become -1, "
+                       "where the op keeps it (test values == -inf or values != -inf)")
     fill = _only_user(test)
     kept, filled = (1, 2) if is_op(test, aten.ne.Scalar) else (2, 1)  # where(values != -inf, indices, -1)
     if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[filled])):

@@ -2,8 +2,7 @@
 
 Matches (any spelling: einsum/matmul, masked_fill/where, relu as ``clamp_min``/``maximum``/``where`` with 0, scale
 inside or outside the relu or on the head sum, the heads summed or contracted with the weights by an einsum, K read
-by byte offsets or through page views), once
-:func:`~.proofs.analyze` proves it by probing::
+by byte offsets or through page views), once :func:`~.proofs.analyze` proves it by probing::
 
     slot = block_table[b, s // P] * P + s % P                       # b = row // next_n, K read at the layout's offsets
     score = (w[row, :, None] * relu(q8[row].float() @ K8[slot].float().T) * k_scale[slot]).sum(0)

@@ -178,8 +178,8 @@ def mask_chain(sum_node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.
     by a factor that keeps the shape (a ``k_scale`` multiplied after the sum; above either it would multiply the
     -inf too)."""
     where, cur, steps, widened = None, sum_node, {}, False
-    while len(_value_users(cur)) == 1:
-        (user,) = _value_users(cur)
+    while len(users := _value_users(cur)) == 1:
+        (user,) = users
         scatter = written_into_neg_inf(user, cur)
         if is_op(user, *RESHAPES, aten.permute.default):
             cur = user
