@@ -162,6 +162,12 @@ class Variant(Indexer):
             scores = torch.maximum(scores, torch.zeros_like(scores))
         elif self.variant == "relu_as_where":
             scores = torch.where(scores > 0, scores, 0.0)
+        elif self.variant == "relu_as_masked_fill":  # where(s < 0, 0, s)
+            scores = scores.masked_fill(scores < 0, 0.0)
+        elif self.variant == "relu_as_threshold":  # where(s <= 0, 0, s)
+            scores = torch.nn.functional.threshold(scores, 0.0, 0.0)
+        elif self.variant == "negative_part_by_where":  # min(s, 0): the condition and the zero swapped
+            scores = torch.where(scores < 0, scores, 0.0)
         elif self.variant != "no_relu":
             scores = scores.relu()
         if self.variant == "softmax_scale_after_relu":  # number factors outside the relu: folded into the weights
@@ -213,6 +219,7 @@ NEGATIVES = {
     "no_relu": ("paged", "paged", 1, "relu"),
     "clamped_at_a_quarter": ("paged", "paged", 1, "through clamp_min"),
     "leaky_relu": ("paged", "paged", 1, "which is not relu"),
+    "negative_part_by_where": ("paged", "paged", 1, "which is not relu"),
     "heads_summed_by_einsum_with_one_row_weights": ("paged", "paged", 1, "per (row, head)"),
     "heads_summed_in_float64": ("paged", "paged", 1, "sums in torch.float64"),
     "weights_not_per_head": ("paged", "paged", 1, "weights"),
@@ -312,10 +319,11 @@ def test_takes_heads_summed_by_an_einsum_with_the_weights(dynamic):
     assert count_ops(before, "aten.bmm") == 2 and count_ops(after, "aten.bmm") == 0
 
 
-@pytest.mark.parametrize("variant", ["relu_as_maximum", "relu_as_where"])
+@pytest.mark.parametrize("variant", ["relu_as_maximum", "relu_as_where", "relu_as_masked_fill", "relu_as_threshold"])
 def test_takes_relu_spelled_otherwise(variant):
-    """``maximum(s, zeros_like(s))`` and ``where(s > 0, s, 0)`` are the relu (leaky_relu and ``clamp_min(s, 0.25)``
-    are near misses naming the op: ``test_does_not_fire_on_lookalikes``)."""
+    """``maximum(s, zeros_like(s))``, ``where(s > 0, s, 0)``, ``masked_fill(s < 0, 0)`` and ``threshold(s, 0, 0)``
+    are the relu (leaky_relu, ``clamp_min(s, 0.25)`` and ``where(s < 0, s, 0)`` are near misses naming the op:
+    ``test_does_not_fire_on_lookalikes``)."""
     assert_variant_fires(variant)
 
 

@@ -89,6 +89,8 @@ class Variant(Indexer):
             scores = scores.clamp_min(0.25)
         elif self.variant == "relu_as_where":
             scores = torch.where(scores > 0, scores, 0.0)
+        elif self.variant == "relu_as_masked_fill":
+            scores = scores.masked_fill(scores < 0, 0.0)
         elif self.variant != "no_relu":
             scores = scores.relu()
         if self.variant == "k_scale_after_sum":
@@ -115,10 +117,11 @@ class Variant(Indexer):
         return logits, self._topk(logits, ks)
 
 
-@pytest.mark.parametrize("variant", ["k_scale_after_sum", "relu_as_where", "heads_summed_by_einsum"])
+@pytest.mark.parametrize("variant", ["k_scale_after_sum", "relu_as_where", "relu_as_masked_fill",
+                                     "heads_summed_by_einsum"])
 def test_takes_the_same_terms_spelled_otherwise(variant):
-    """``(relu(q·k) * w).sum(h) * k_scale``, the relu as ``where(s > 0, s, 0)``, or the heads summed by an einsum
-    with the weights: the same terms, rewritten; compiled equals eager."""
+    """``(relu(q·k) * w).sum(h) * k_scale``, the relu as ``where(s > 0, s, 0)`` or ``masked_fill(s < 0, 0)``, or the
+    heads summed by an einsum with the weights: the same terms, rewritten; compiled equals eager."""
     config, layout = CONFIGS["deepseek_v32"], LAYOUTS["paged"]
     model = type("V", (Variant,), {"variant": variant})(config, layout)
     model.reset_parameters(torch.Generator().manual_seed(0))

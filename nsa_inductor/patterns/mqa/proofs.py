@@ -95,21 +95,28 @@ def _is_zero(x: Any) -> bool:
 
 
 def relu_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    """``x`` of ``relu(x)`` spelled ``relu``, ``clamp_min(x, 0)``, ``maximum(x, 0)`` or ``where(x > 0, x, 0)``
-    (the last gives 0 where x is NaN, as the GPU kernels' max does; relu gives NaN: a NaN q·k comes from NaN fp8
-    codes, whose row's scale is NaN too, docs/indices.md)."""
+    """``x`` of ``relu(x)`` spelled ``relu``, ``clamp_min(x, 0)``, ``maximum(x, 0)``, ``where(x > 0, x, 0)`` (or
+    ``>=``), or ``where(x < 0, 0, x)`` (or ``<=``: ``masked_fill(x < 0, 0)``, ``threshold(x, 0, 0)``). At a NaN x
+    they differ (0 or NaN; the GPU kernels' max gives 0), and at -0.0 in the zero's sign: a NaN q·k comes from NaN
+    fp8 codes, whose row's scale is NaN too (docs/indices.md), and -0.0 and 0.0 are equal values."""
     if is_op(node, aten.relu.default) or (is_op(node, aten.clamp_min.default) and _is_zero(node.args[1])):
         return node.args[0]
     if is_op(node, aten.maximum.default):
         x, other = node.args if _is_zero(node.args[1]) else node.args[::-1]
-    elif is_op(node, *WHERES) and is_op(node.args[0], aten.gt.Scalar) and _is_zero(node.args[0].args[1]) \
-            and node.args[0].args[0] is node.args[1]:
+    elif is_op(node, *WHERES) and _compared_with_zero(node.args[0], node.args[1], aten.gt.Scalar, aten.ge.Scalar):
         x, other = node.args[1:]
+    elif is_op(node, *WHERES) and _compared_with_zero(node.args[0], node.args[2], aten.lt.Scalar, aten.le.Scalar):
+        other, x = node.args[1:]
     else:
         return None
     if not (_is_zero(other) and isinstance(x, torch.fx.Node) and same_shape(x, node)):
         return None
     return x if val(x).dtype == val(node).dtype else None  # (a float64 0 would promote the scores)
+
+
+def _compared_with_zero(cond: Any, x: Any, *compares) -> bool:
+    """``cond`` is ``x <op> 0`` for one of ``compares``."""
+    return is_op(cond, *compares) and cond.args[0] is x and _is_zero(cond.args[1])
 
 
 def activated_dot(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -129,7 +136,7 @@ def _through(factors: list[torch.fx.Node]) -> str:
     """Where the fp8 dot reaches a product only through another function of it: the words that name it."""
     other = next((f for f in factors if not is_dot(f) and activated_dot(f) is not None), None)
     return "" if other is None else (f": the dot reaches the product through {describe(other)}, which is not relu, "
-                                     "clamp_min(·, 0), maximum(·, 0) or where(· > 0, ·, 0)")
+                                     "clamp_min(·, 0), maximum(·, 0) or where(· > 0, ·, 0)/where(· < 0, 0, ·)")
 
 
 def is_dot(node: torch.fx.Node) -> bool:
