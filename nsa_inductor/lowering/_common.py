@@ -152,7 +152,10 @@ def nsa_op(name: str, mutates_args: tuple[str, ...] = ()):
     alias checks, an ADInplaceOrView kernel that rebuilds the argument list per mutated argument) cost the host more
     than the Triton launch itself on every call of a serving loop (BENCHMARKS.md, host cost). A plain dispatcher
     kernel is what remains; it replays a repeated call signature's host plan (``_host_plans``) and bumps the version
-    counter of each argument in ``mutates_args`` once per call, as custom_op does."""
+    counter of each argument in ``mutates_args`` once per call, as custom_op does. On CUDA it runs with the first
+    argument's GPU as the current device, as ATen's kernels do: Triton launches on the current device and its stream,
+    so a call on another GPU than the current one would launch there, on another device's memory, unordered with
+    that device's stream."""
     def register(fn) -> NsaOp:
         _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         body = fn
@@ -169,8 +172,15 @@ def nsa_op(name: str, mutates_args: tuple[str, ...] = ()):
                 torch.autograd.graph.increment_version(args[i] if i < len(args) else kwargs[p])
             return out
 
-        for key in ("CPU", "CUDA"):
-            _LIBRARY.impl(name, kernel, key)
+        def on_its_device(*args, **kwargs):
+            device = args[0].get_device()  # (every op's first argument is a tensor, passed by position)
+            if device < 0 or device == torch._C._cuda_getDevice():
+                return kernel(*args, **kwargs)
+            with torch.cuda.device(device):
+                return kernel(*args, **kwargs)
+
+        _LIBRARY.impl(name, kernel, "CPU")
+        _LIBRARY.impl(name, on_its_device, "CUDA")
         return NsaOp(name)
 
     return register

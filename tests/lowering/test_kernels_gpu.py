@@ -847,8 +847,8 @@ def _filled(a):
 def _past_visible_keys(args: list, width: int) -> torch.Tensor:
     """Where paged logits past each row's last visible key lie (row ``b*next_n+j`` sees ``s <= ctx_b - next_n + j``)."""
     next_n, context_lens = args[0].shape[1], args[3]
-    last = context_lens.long()[:, None] - next_n + torch.arange(next_n, device=DEV)[None, :]
-    return torch.arange(width, device=DEV)[None, :] > last.reshape(-1, 1)
+    last = context_lens.long()[:, None] - next_n + torch.arange(next_n, device=context_lens.device)[None, :]
+    return torch.arange(width, device=context_lens.device)[None, :] > last.reshape(-1, 1)
 
 
 @pytest.mark.parametrize("case", list(OP_CALLS))
@@ -868,15 +868,49 @@ def test_replayed_calls_equal_the_ops_own(case, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(host_plans, "run", lambda name, body, a: body(*a))  # the op in full
             want = op(*again)
-        outputs = [(g, w) for g, w in zip(*((o if isinstance(o, tuple) else (o,)) for o in (got, want)))]
-        outputs += [(g, w) for g, w in zip(args, again) if isinstance(g, torch.Tensor)]  # what it wrote
-        for g, w in outputs:
-            if g is None:
-                continue
-            if "top-k" in case and g.dtype == torch.int32 and g.shape == w.shape and not args[5:6] == [True]:
-                g, w = g.sort(dim=-1).values, w.sort(dim=-1).values
-            if op is torch.ops.nsa.paged_mqa_logits and args[11:] == [False] and g is got:  # past the visible keys: unset
-                g, w = (x.masked_fill(_past_visible_keys(args, x.shape[1]), 0.0) for x in (g, w))
-            assert g.shape == w.shape and g.dtype == w.dtype
-            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), case
+        _assert_same_call(case, op, args, got, again, want)
     assert len(replays) == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@pytest.mark.parametrize("case", list(OP_CALLS))
+def test_calls_run_on_their_tensors_gpu_not_the_current_one(case):
+    """With GPU 0 current, a call on GPU 1's tensors runs on GPU 1 (``nsa_op``'s device guard): its outputs and
+    written arguments equal, bit for bit, the same call's on GPU 0, in full and replayed (from its third call).
+    Without the guard Triton launches on GPU 0, on GPU 1's memory. (The arguments reach GPU 1 from the host: no
+    peer access is enabled that could let such a launch pass.)"""
+    host_plans.clear()
+    op, args = OP_CALLS[case]()
+    args = [_filled(a).cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    on_0 = [_to(a, "cuda:0") for a in args]
+    want = _to(op(*on_0), "cpu")
+    on_0 = [_to(a, "cpu") for a in on_0]
+    with torch.cuda.device(0):
+        for _ in range(3):
+            on_1 = [_to(a, "cuda:1") for a in args]
+            got = _to(op(*on_1), "cpu")
+            assert torch.cuda.current_device() == 0
+            _assert_same_call(case, op, [_to(a, "cpu") for a in on_1], got, on_0, want)
+
+
+def _to(x, device):
+    """``x`` (a tensor, a tuple of them and None, or another argument) on ``device``."""
+    if isinstance(x, tuple):
+        return tuple(_to(o, device) for o in x)
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _assert_same_call(case, op, args, got, again, want):
+    """Outputs ``got`` and written ``args`` of one call equal ``want`` and ``again`` of another, bit for bit (top-k
+    rows as sets in set order; paged logits without ``write_masked`` up to each row's last visible key)."""
+    outputs = [(g, w) for g, w in zip(*((o if isinstance(o, tuple) else (o,)) for o in (got, want)))]
+    outputs += [(g, w) for g, w in zip(args, again) if isinstance(g, torch.Tensor)]  # what it wrote
+    for g, w in outputs:
+        if g is None:
+            continue
+        if "top-k" in case and g.dtype == torch.int32 and g.shape == w.shape and not args[5:6] == [True]:
+            g, w = g.sort(dim=-1).values, w.sort(dim=-1).values
+        if op is torch.ops.nsa.paged_mqa_logits and args[11:] == [False] and g is got:  # past the visible keys: unset
+            g, w = (x.masked_fill(_past_visible_keys(args, x.shape[1]), 0.0) for x in (g, w))
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), case
