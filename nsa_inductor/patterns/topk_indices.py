@@ -11,8 +11,8 @@ masked columns past each row's last visible key unwritten (``write_masked=False`
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
 Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
-``== -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one value per row; a
-sort that is ascending, stable, cut other than ``[..., :k]`` or whose values are used.
+``== -inf`` or ``!= -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one
+value per row; a sort that is ascending, stable, cut other than ``[..., :k]`` or whose values are used.
 """
 
 from __future__ import annotations
@@ -178,15 +178,16 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
     test = _only_user(values)
     if not (is_op(test, aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar) and test.args[0] is values
             and test.args[1] == float("-inf")):
-        raise NearMiss("the top-k values are used for something other than the == -inf test (the op returns "
-                       "indices only)")
+        raise NearMiss("the top-k values are used for something other than an == -inf or != -inf test (the op "
+                       "returns indices only)")
     if is_op(test, aten.gt.Scalar):
         raise NearMiss("the -inf test is values > -inf, which is false for NaN too: a NaN's index would become -1, "
                        "where the op keeps it (test values == -inf or values != -inf)")
     fill = _only_user(test)
     kept, filled = (1, 2) if is_op(test, aten.ne.Scalar) else (2, 1)  # where(values != -inf, indices, -1)
     if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[filled])):
-        raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices))")
+        raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices) or "
+                       "where(values != -inf, indices, -1))")
     chosen, offset = fill.args[kept], None
     if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1 \
             and chosen.kwargs.get("alpha", 1) == 1:

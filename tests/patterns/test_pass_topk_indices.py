@@ -255,7 +255,7 @@ def test_nan_entries_keep_their_index(fn):
     (plain_values_returned, "values are used for something other"),
     (smallest, "largest=False"),
     (other_fill, "not replaced by -1"),
-    (other_test, "used for something other than the == -inf test"),
+    (other_test, "used for something other than an == -inf or != -inf test"),
     (above_neg_inf_test, "false for NaN too"),
     (not_neg_inf_other_fill, "not replaced by -1"),
     (per_element_offset, "not one integer offset per row"),
