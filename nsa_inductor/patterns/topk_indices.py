@@ -1,16 +1,18 @@
 """The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see the ``search*`` functions below).
 
-Matches ``torch.topk`` over the last dim of 2-D fp32 logits, either the masked idiom (values used only for the
+Matches ``torch.topk`` over the last dim of fp32 logits, either the masked idiom (values used only for the
 ``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or
 plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their
-columns), also spelled as a descending sort cut to its first k columns
-(``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column order).
+columns; an int32 cast of them is the op's own dtype), also spelled as a descending sort cut to its first k
+columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column order).
+Logits of another rank (one row ``[T]``; ``[B, S, T]``, as Hugging Face's DeepSeek-V3.2 indexer scores) are rows
+too: the op reads their ``[-1, T]`` view, its indices are viewed back (no offset there: one a row is a 2-D idiom).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
 mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader, the logits op leaves the
 masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
-Never (near misses): ``largest=False``, another dim, logits not 2-D fp32, values used for anything but the
+Never (near misses): ``largest=False``, another dim, logits not fp32, values used for anything but the
 ``== -inf`` or ``!= -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one
 value per row; a sort that is ascending, stable, cut other than ``[..., :k]`` or whose values are used.
 """
@@ -24,7 +26,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import VIEW_OPS, arg, as_int, erase_dead, insert_call, is_op, norm_dim, set_arg, tensor_val
+from .fx_utils import VIEW_OPS, arg, as_int, erase_dead, insert_call, is_op, norm_dim, set_arg, size_arg, tensor_val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -111,9 +113,23 @@ def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | No
 def _logits(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.Tensor]:
     logits = node.args[0]
     fake = tensor_val(logits)
-    if fake is None or fake.dim() != 2 or fake.dtype != torch.float32:
-        raise NearMiss(f"logits must be 2-D fp32, got {None if fake is None else (fake.dtype, list(fake.shape))}")
+    if fake is None or fake.dim() == 0 or fake.dtype != torch.float32 or as_int(fake.shape[-1]) == 0:
+        raise NearMiss(f"logits must be fp32 rows of at least one column, got "
+                       f"{None if fake is None else (fake.dtype, list(fake.shape))}")
     return logits, fake
+
+
+def _as_int32(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The int32 cast that is ``node``'s only user, if it has one."""
+    cast = _only_user(node)
+    return cast if is_op(cast, prims.convert_element_type.default) and cast.args[1] == torch.int32 else None
+
+
+def _found_plain(logits, k, indices: torch.fx.Node, sorted_) -> dict[str, Any]:
+    """Plain top-k indices ``indices`` (int64; or the op's int32 where that is their only use)."""
+    cast = _as_int32(indices)
+    return {"logits": logits, "k": k, "offset": None, "replace": cast or indices, "int64": cast is None,
+            "pad": "column", "sorted": sorted_}
 
 
 def _leading_cut(node: Any, rank: int) -> bool:
@@ -138,7 +154,8 @@ def match_sorted_cut(sort: torch.fx.Node) -> dict[str, Any]:
     logits, fake = _logits(sort)
     if not arg(sort, 2, "descending", False):
         raise NearMiss("an ascending sort (the smallest values first)")
-    if norm_dim(arg(sort, 1, "dim", -1), 2) != 1:
+    rank = fake.dim()
+    if norm_dim(arg(sort, 1, "dim", -1), rank) != rank - 1:
         raise NearMiss("a sort over a dim other than the last")
     if is_op(sort, aten.sort.stable) and sort.kwargs.get("stable"):
         raise NearMiss("a stable sort: equal values in column order, which the op does not keep")
@@ -146,26 +163,26 @@ def match_sorted_cut(sort: torch.fx.Node) -> dict[str, Any]:
     if values is not None and values.users:
         raise NearMiss("the sorted values are used (the op returns indices only)")
     cut = _only_user(indices) if indices is not None else None
-    width, end = as_int(fake.shape[1]), None
+    width, end = as_int(fake.shape[-1]), None
     if is_op(cut, aten.alias.default):  # the cut of the whole row
         end = width
-    elif _leading_cut(cut, 2) and arg(cut, 4, "step", 1) == 1:
+    elif _leading_cut(cut, rank) and arg(cut, 4, "step", 1) == 1:
         end = arg(cut, 3, "end")
     if not isinstance(end, int) or end < 0 or width is None:
         raise NearMiss("the sorted indices are not cut once to their first k columns ([..., :k], k static)")
-    return {"logits": logits, "k": min(end, width), "offset": None, "replace": cut, "int64": True, "pad": "column",
-            "sorted": True}
+    return _found_plain(logits, min(end, width), cut, True)
 
 
 def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
     """The pieces of the idiom anchored at ``topk``; :class:`NearMiss` with the reason it is not the idiom."""
     logits, fake = _logits(topk)
-    if norm_dim(arg(topk, 2, "dim", -1), 2) != 1:
+    rank = fake.dim()
+    if norm_dim(arg(topk, 2, "dim", -1), rank) != rank - 1:
         raise NearMiss("top-k over a dim other than the last")
     if not arg(topk, 3, "largest", True):
         raise NearMiss("largest=False")
     k = topk.args[1]
-    width = as_int(fake.shape[1])
+    width = as_int(fake.shape[-1])
     if isinstance(k, int) and width is not None and k > width:  # (a symbolic k is checked by the op at run time)
         raise NearMiss(f"k={k} is larger than the row's {width} columns")
     sorted_ = arg(topk, 4, "sorted", True)
@@ -173,8 +190,7 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
     if indices is None or len(topk.users) != (1 if values is None else 2):
         raise NearMiss("top-k indices unused, or an output used twice")
     if values is None or not values.users:
-        return {"logits": logits, "k": k, "offset": None, "replace": indices, "int64": True, "pad": "column",
-                "sorted": sorted_}
+        return _found_plain(logits, k, indices, sorted_)
     test = _only_user(values)
     if not (is_op(test, aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar) and test.args[0] is values
             and test.args[1] == float("-inf")):
@@ -191,18 +207,16 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
     chosen, offset = fill.args[kept], None
     if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1 \
             and chosen.kwargs.get("alpha", 1) == 1:
-        offset = _row_offset(chosen.args[1], fake.shape[0])
+        offset = _row_offset(chosen.args[1], fake.shape[0]) if rank == 2 else None
         if offset is None:
             raise NearMiss(f"indices minus {chosen.args[1]}: not one integer offset per row")
     elif chosen is not indices:
         raise NearMiss(f"the -1 fill applies to {chosen}, not to the top-k indices (minus a row offset)")
     if len(indices.users) != 1:
         raise NearMiss("the top-k indices have other users")
-    result = _only_user(fill)
     found = {"logits": logits, "k": k, "offset": offset, "pad": "neg1", "sorted": sorted_}
-    if is_op(result, prims.convert_element_type.default) and result.args[1] == torch.int32:
-        return {**found, "replace": result, "int64": False}
-    return {**found, "replace": fill, "int64": True}
+    cast = _as_int32(fill)
+    return {**found, "replace": cast or fill, "int64": cast is None}
 
 
 class TopkIndices(GraphPass):
@@ -225,8 +239,14 @@ class TopkIndices(GraphPass):
             if lengths is not None and len(logits.users) == 1:  # an nsa logits op read only up to the lengths
                 set_arg(logits, "write_masked", False)
             sorted_ = bool(found["sorted"]) and self.order == "sorted"
+            fake = tensor_val(logits)
+            rows = logits if fake.dim() == 2 else insert_call(  # (a symbolic width is never 0: Dynamo specialises 0)
+                graph, aten.reshape.default, (logits, [-1, size_arg(graph, fake.shape[-1], [logits])]))
             new = insert_call(graph, torch.ops.nsa.topk_indices.default,
-                              (logits, found["k"], lengths, found["offset"], found["pad"], sorted_))
+                              (rows, found["k"], lengths, found["offset"], found["pad"], sorted_))
+            if fake.dim() != 2:  # the indices in the logits' leading dims
+                lead = [size_arg(graph, size, [logits]) for size in fake.shape[:-1]]
+                new = insert_call(graph, aten.reshape.default, (new, [*lead, found["k"]]))
             if found["int64"]:
                 new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
         replaced.replace_all_uses_with(new)

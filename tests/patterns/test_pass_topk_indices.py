@@ -132,6 +132,57 @@ def test_fires_on_plain_spellings(case):
             assert torch.equal(after[finite], before[finite])
 
 
+def hf_indices(logits, k):
+    """Hugging Face's DeepSeek-V3.2 indexer: scores [B, S, T], plain indices cast to int32."""
+    return logits.topk(k, dim=-1).indices.to(torch.int32)
+
+
+@pytest.mark.parametrize("shape", [(40,), (1, 1, 40), (1, 3, 40), (2, 1, 40), (2, 3, 40), (2, 1, 3, 40)])
+@pytest.mark.parametrize("fn, sorted_, pad", [(hf_indices, True, "column"), (plain_unsorted, False, "column"),
+                                              (sort_cut, True, "column"), (indexer_topk, True, "neg1")])
+def test_fires_on_logits_of_other_ranks(shape, fn, sorted_, pad):
+    """Logits of one row or of leading dims (size 1 included: Dynamo specialises them) are rows too: the op reads
+    their [-1, T] view, the indices come back in the logits' leading dims, with torch's values (sorted: the finite
+    part in torch's order; the -1 idiom: equal) and dtype (HF's int32 cast: the op's own output, no cast left)."""
+    logits = masked_logits(1, 40, 0.3, seed=sum(shape)).view(-1).repeat(len(shape) * 6)[:torch.Size(shape).numel()]
+    logits = (logits + torch.arange(logits.numel()) * 1000.0).view(shape)  # distinct values, -inf kept
+    gm = pass_helpers.functional_graph(lambda x: fn(x, 7), logits)
+    before, removed = gm(logits), count_topk(gm)
+    result = TopkIndices()(gm.graph, None)
+    gm.recompile()
+    after, removed = gm(logits), removed - count_topk(gm)
+    assert (result.matched, removed) == (1, 1), result.near_misses
+    assert after.shape == before.shape and after.dtype == before.dtype
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert len(casts) == (before.dtype == torch.int64)  # int32 asked for: the op's output, no cast either way
+    rows, got, want = logits.reshape(-1, 40), after.reshape(-1, 7), before.reshape(-1, 7)
+    if pad == "neg1":
+        assert torch.equal(got, want)
+        return
+    assert_plain_topk(got.long(), rows, 7, sorted_)
+    finite = torch.gather(rows, 1, want.long()) != INF
+    if sorted_:
+        assert torch.equal(got[finite], want[finite])
+
+
+def offset_per_batch(logits):
+    values, indices = torch.topk(logits, 3)
+    return (indices - torch.arange(2)[:, None, None]).masked_fill(values == INF, -1)
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (offset_per_batch, "not one integer offset per row"),
+    (lambda x: torch.topk(x, 3, dim=1).indices, "dim other than the last"),
+])
+def test_near_misses_of_other_ranks(fn, reason):
+    """[B, S, T] logits: a per-row offset (a 2-D idiom) and a top-k over S stay torch's, the reason reported."""
+    logits = masked_logits(6, 10, 0.3, seed=5).view(2, 3, 10)
+    result, before, after, removed = run_pass(fn, logits)
+    assert (result.matched, removed) == (0, 0)
+    assert re.search(reason, result.near_misses[0]["reason"]), result.near_misses
+    assert torch.equal(after, before)
+
+
 def topk_logits_small():
     logits = torch.arange(24.0).view(4, 6).flip(1)
     logits[1, 2:] = INF
@@ -265,7 +316,7 @@ def test_nan_entries_keep_their_index(fn):
     (column_offset, "not one integer offset per row"),
     (indices_read_twice, "indices have other users"),
     (first_dim, "dim other than the last"),
-    (bf16_logits, "must be 2-D fp32"),
+    (bf16_logits, "must be fp32"),
     (stable_sort_cut, "a stable sort"),
     (ascending_sort_cut, "ascending"),
     (sorted_values_used, "sorted values are used"),
@@ -293,6 +344,21 @@ def test_one_compile_serves_every_row_count():
         assert as_rows(compiled(logits)) == as_rows(indexer_topk(logits, 5))
     (graph_dir,) = graph_dirs(dump_dir)
     assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
+
+
+def test_one_compile_serves_every_batch_of_scores_by_token():
+    """Hugging Face's spelling over [B, S, T] scores, batch and tokens dynamic (then B=1, S=1: Dynamo's size-1
+    graph): the op in each graph, the int32 indices torch's (distinct finite values: the same order)."""
+    from helpers.pass_helpers import compile_with_dumps, graph_dirs, pass_entry
+
+    compiled, dump_dir = compile_with_dumps(lambda x: hf_indices(x, 5), dynamic=True)
+    for shape in ((2, 3, 40), (4, 7, 40), (1, 1, 40)):
+        logits = torch.randperm(torch.Size(shape).numel(), generator=torch.Generator().manual_seed(1)).float()
+        logits = logits.view(shape)
+        got = compiled(logits)
+        assert got.dtype == torch.int32 and torch.equal(got, hf_indices(logits, 5))
+    for graph_dir in graph_dirs(dump_dir):
+        assert pass_entry(graph_dir, "topk_indices")["matched"] == 1
 
 
 def test_a_compiled_sorted_cut_is_rewritten():
