@@ -113,9 +113,10 @@ def _lengths(graph: torch.fx.Graph, logits: torch.fx.Node) -> torch.fx.Node | No
 def _logits(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.Tensor]:
     logits = node.args[0]
     fake = tensor_val(logits)
-    if fake is None or fake.dim() == 0 or fake.dtype != torch.float32 or as_int(fake.shape[-1]) == 0:
-        raise NearMiss(f"logits must be fp32 rows of at least one column, got "
-                       f"{None if fake is None else (fake.dtype, list(fake.shape))}")
+    if fake is None or fake.dim() == 0 or fake.dtype != torch.float32:
+        raise NearMiss(f"logits must be fp32 rows, got {None if fake is None else (fake.dtype, list(fake.shape))}")
+    if fake.dim() != 2 and as_int(fake.shape[-1]) == 0:
+        raise NearMiss(f"logits {list(fake.shape)} have no column: no [-1, T] view of their rows")
     return logits, fake
 
 

@@ -170,13 +170,15 @@ def offset_per_batch(logits):
     return (indices - torch.arange(2)[:, None, None]).masked_fill(values == INF, -1)
 
 
-@pytest.mark.parametrize("fn, reason", [
-    (offset_per_batch, "not one integer offset per row"),
-    (lambda x: torch.topk(x, 3, dim=1).indices, "dim other than the last"),
+@pytest.mark.parametrize("fn, width, reason", [
+    (offset_per_batch, 10, "not one integer offset per row"),
+    (lambda x: torch.topk(x, 3, dim=1).indices, 10, "dim other than the last"),
+    (lambda x: torch.topk(x, 0).indices, 0, r"logits \[2, 3, 0\] have no column"),
 ])
-def test_near_misses_of_other_ranks(fn, reason):
-    """[B, S, T] logits: a per-row offset (a 2-D idiom) and a top-k over S stay torch's, the reason reported."""
-    logits = masked_logits(6, 10, 0.3, seed=5).view(2, 3, 10)
+def test_near_misses_of_other_ranks(fn, width, reason):
+    """[B, S, T] logits: a per-row offset (a 2-D idiom), a top-k over S and rows of no column stay torch's, the
+    reason reported."""
+    logits = masked_logits(6, width, 0.3, seed=5).view(2, 3, width)
     result, before, after, removed = run_pass(fn, logits)
     assert (result.matched, removed) == (0, 0)
     assert re.search(reason, result.near_misses[0]["reason"]), result.near_misses
