@@ -137,13 +137,15 @@ def hf_indices(logits, k):
     return logits.topk(k, dim=-1).indices.to(torch.int32)
 
 
-@pytest.mark.parametrize("shape", [(40,), (1, 1, 40), (1, 3, 40), (2, 1, 40), (2, 3, 40), (2, 1, 3, 40)])
+@pytest.mark.parametrize("shape", [(40,), (1, 1, 40), (1, 3, 40), (2, 1, 40), (2, 3, 40), (2, 1, 3, 40), (0, 1, 40),
+                                   (3, 0, 40)])
 @pytest.mark.parametrize("fn, sorted_, pad", [(hf_indices, True, "column"), (plain_unsorted, False, "column"),
                                               (sort_cut, True, "column"), (indexer_topk, True, "neg1")])
 def test_fires_on_logits_of_other_ranks(shape, fn, sorted_, pad):
-    """Logits of one row or of leading dims (size 1 included: Dynamo specialises them) are rows too: the op reads
-    their [-1, T] view, the indices come back in the logits' leading dims, with torch's values (sorted: the finite
-    part in torch's order; the -1 idiom: equal) and dtype (HF's int32 cast: the op's own output, no cast left)."""
+    """Logits of one row or of leading dims (sizes 1 and 0 included: Dynamo specialises them) are rows too: the op
+    reads their [-1, T] view, the indices come back in the logits' leading dims, with torch's values (sorted: the
+    finite part in torch's order; the -1 idiom: equal) and dtype (HF's int32 cast: the op's own output, no cast
+    left)."""
     logits = masked_logits(1, 40, 0.3, seed=sum(shape)).view(-1).repeat(len(shape) * 6)[:torch.Size(shape).numel()]
     logits = (logits + torch.arange(logits.numel()) * 1000.0).view(shape)  # distinct values, -inf kept
     gm = pass_helpers.functional_graph(lambda x: fn(x, 7), logits)
