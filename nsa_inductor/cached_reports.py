@@ -8,7 +8,8 @@ when a compile hits Inductor's caches (their hit counters moved and no pass ran)
 ``last_reports()`` and the dump directory, marked ``"served_from_cache": true``. Two keys, as the two caches have:
 the Dynamo graph's (the AOTAutograd cache's level) and each ATen graph Inductor's inner compile gets (the FX graph
 cache's level: Dynamo graphs of other code, ``torch.sin(x)`` or ``x.sin()``, can trace to one ATen graph and share
-its entry). A hit on an entry this process cannot find a saved report for (the cache was filled by ``install()`` or
+its entry; the reports such a hit re-issues are saved under the new Dynamo graph's key too, which AOTAutograd's cache
+serves from then on). A hit on an entry this process cannot find a saved report for (the cache was filled by ``install()`` or
 another program) gets a report saying so, with ``"passes": null``.
 """
 
@@ -83,11 +84,18 @@ def reports_kept_with_cache(gm: torch.fx.GraphModule, example_inputs,
     this_compile += _new_reports(before)
     if key is None:
         return
-    made = [r for r in this_compile if not r.get("served_from_cache")]
-    if made:
-        _save(key, made)
-    elif not this_compile and _hits() > hits:
+    if this_compile:  # made, or re-issued by an ATen graph's FX graph cache hit: AOTAutograd's cache now keeps this
+        _save(key, [_as_saved(r) for r in this_compile])  # Dynamo graph, and a hit on it must find them here
+    elif _hits() > hits:
         this_compile += _reissue(key, manager)
+
+
+def _as_saved(report: dict[str, Any]) -> dict[str, Any]:
+    """A report as it was saved: a re-issued one without what ``_reissue`` added."""
+    if not report.get("served_from_cache"):
+        return report
+    saved = {k: v for k, v in report.items() if k not in ("served_from_cache", "compiled_as")}
+    return {**saved, "graph": report["compiled_as"]}
 
 
 def _new_reports(before: list[dict[str, Any]]) -> list[dict[str, Any]]:

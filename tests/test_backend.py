@@ -198,14 +198,27 @@ SAME_ATEN_GRAPH_SCRIPT = """
 """
 
 
+SECOND_SPELLING_SCRIPT = """
+    import json, torch, nsa_inductor
+    from torch._dynamo.utils import counters
+    torch.compile(lambda x: x.sin().mul(2).add(1), backend="nsa_rocm")(torch.randn(8))
+    print(json.dumps([counters["aot_autograd"]["autograd_cache_hit"], nsa_inductor.last_reports()[-1]]))
+"""
+
+
 def test_a_graph_spelled_otherwise_served_from_the_cache_keeps_its_report(tmp_path):
     """Two Dynamo graphs of other code that trace to one ATen graph: the second hits the entry the first filled (with
-    the nsa passes), and reports what they did then rather than "no report was kept"."""
+    the nsa passes), and reports what they did then rather than "no report was kept"; so does the second spelling
+    alone in the next process, which AOTAutograd's cache serves without an ATen graph (from the report saved under
+    its Dynamo graph's key when the FX graph cache served it)."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
            "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     hits, (compiled, served) = json.loads(run_python(SAME_ATEN_GRAPH_SCRIPT, env).splitlines()[-1])
     assert hits == 1 and served["served_from_cache"] and served["compiled_as"] == compiled["graph"]
     assert served["passes"] == compiled["passes"] is not None
+    hits, again = json.loads(run_python(SECOND_SPELLING_SCRIPT, env).splitlines()[-1])
+    assert hits == 1 and again["served_from_cache"] and again["compiled_as"] == compiled["graph"]
+    assert again["passes"] == compiled["passes"]
 
 
 def _fold_any_float_chain(match, arg, dtype1, dtype2):
