@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run in one call: GPU tests, kernel benchmarks, the end-to-end example and the
 # compiled-decode kernel count. Full logs go to $OUT; a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode|engine|ab]
+#   bash benchmarks/gpu_check.sh [quick|full|tune|e2e|numerics|topk|rotate|sweep|host|decode|engine|ab|hf]
 # topk: GPU tests, the top-k cells with the other kernels' quick cells, CUDA-graph decode steps (B=64 ctx 8192 in
 # torch's order and set order, B=1 ctx 32768).
 # rotate: GPU tests, the fused Hadamard rotation's kernels against eager/cuBLAS, its numerics against eager
@@ -19,6 +19,8 @@
 # ab: `topk_ab.py` (no GPU tests): the package copies in AB_PKGS ("name=dir,...", default "main=dev/main_pkg,tree=.";
 # make a copy with `git archive`, see topk_ab.py, and carry dev/), the cells in AB_CELLS (default: its own), other
 # options in AB_ARGS (e.g. "--rounds 3 --kernels").
+# hf: Hugging Face's DeepSeek-V3.2 indexer from scores to top-k (`hf_indexer.py`, no GPU tests): eager, default
+# Inductor and nsa_rocm under CUDA graphs, decode B=64/8 ctx 8192, B=1 ctx 32768, causal prefill 4096.
 # GPU_TESTS=0 skips the GPU tests of the modes that run them (they take ~330 s of the 600 s a device call may run:
 # `decode` with them does not fit one call).
 set -uo pipefail
@@ -43,7 +45,7 @@ if [ "$mode" = "numerics" ] || [ "$mode" = "rotate" ]; then
 fi
 
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$mode" != "e2e" ] && [ "$mode" != "numerics" ] && [ "$mode" != "sweep" ] \
-    && [ "$mode" != "host" ] && [ "$mode" != "engine" ] && [ "$mode" != "ab" ]; then
+    && [ "$mode" != "host" ] && [ "$mode" != "engine" ] && [ "$mode" != "ab" ] && [ "$mode" != "hf" ]; then
   python3 -m pytest -q -x -m gpu tests/lowering/test_kernels_gpu.py tests/lowering/test_launch.py tests/test_compiled_indexer.py tests/test_compiled_fuzz.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -73,6 +75,7 @@ case "$mode" in
             --out "$OUT/engine_prefill" 2>&1 | tee "$OUT/engine_prefill.log" | tail -n 5
           python3 benchmarks/end_to_end.py --engine --prefill 0 --cuda-graphs --variants eager,nsa_rocm \
             --out "$OUT/engine_decode" 2>&1 | tee "$OUT/engine_decode.log" | tail -n 5 ;;
+  hf) python3 benchmarks/hf_indexer.py 2>&1 | tee "$OUT/hf_indexer.log" | grep '^|' ;;
   host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3
         python3 benchmarks/host_python.py --calls 1000 2>&1 | tee "$OUT/host_python.log" | grep -E "^\||nothing" ;;
   decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \

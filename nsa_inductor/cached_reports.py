@@ -9,8 +9,8 @@ when a compile hits Inductor's caches (their hit counters moved and no pass ran)
 the Dynamo graph's (the AOTAutograd cache's level) and each ATen graph Inductor's inner compile gets (the FX graph
 cache's level: Dynamo graphs of other code, ``torch.sin(x)`` or ``x.sin()``, can trace to one ATen graph and share
 its entry; the reports such a hit re-issues are saved under the new Dynamo graph's key too, which AOTAutograd's cache
-serves from then on). A hit on an entry this process cannot find a saved report for (the cache was filled by ``install()`` or
-another program) gets a report saying so, with ``"passes": null``.
+serves from then on). A hit on an entry this process cannot find a saved report for (the cache was filled by
+``install()`` or another program) gets a report saying so, with ``"passes": null``.
 """
 
 from __future__ import annotations

@@ -197,3 +197,17 @@ def test_host_python_prints_every_call_with_and_without_plans(capsys, monkeypatc
     assert [row[0].removeprefix("| ") for row in rows] == list(module.CASES)
     assert all(int(row[4].rstrip(" |")) >= 1 for row in rows)
     assert "doing nothing" in out
+
+
+def test_hf_indexer_rows_agree_and_name_the_rewrite(capsys, monkeypatch):
+    """``benchmarks/hf_indexer.py --small`` on the CPU: a row per cell (a decode step and a causal prefill), nsa_rocm's
+    int32 top-k agreeing with eager's on every finite pick and the top-k rewritten (its report found)."""
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])  # (its `timing` import)
+    spec = importlib.util.spec_from_file_location("benchmarks_hf_indexer", ROOT / "benchmarks" / "hf_indexer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["hf_indexer.py", "--small", "--device", "cpu", "--cells", "B3xT40,S24",
+                                      "--variants", "eager,nsa_rocm"])
+    module.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| B3xT40 ", "| S24 "))]
+    assert len(rows) == 2 and all(row.endswith("| nsa_rocm 1.0000 | True |") for row in rows), rows
