@@ -1,10 +1,11 @@
 """The indexer's top-k selection -> one ``nsa.topk_indices`` kernel (see the ``search*`` functions below).
 
 Matches ``torch.topk`` over the last dim of fp32 logits, either the masked idiom (values used only for the
-``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there; int32 or int64 result) or
-plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf entries keep their
-columns; an int32 cast of them is the op's own dtype), also spelled as a descending sort cut to its first k
-columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column order).
+``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there, either cast to int32 or not;
+int32 or int64 result) or plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf
+entries keep their columns; an int32 cast of them is the op's own dtype), also spelled as a descending sort cut to
+its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column
+order).
 Logits of another rank (one row ``[T]``; ``[B, S, T]``, as Hugging Face's DeepSeek-V3.2 indexer scores) are rows
 too: the op reads their ``[-1, T]`` view, its indices are viewed back (no offset there: one a row is a 2-D idiom).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
@@ -205,19 +206,26 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
     if not (is_op(fill, aten.where.self) and fill.args[0] is test and _is_minus_one(fill.args[filled])):
         raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices) or "
                        "where(values != -inf, indices, -1))")
-    chosen, offset = fill.args[kept], None
-    if is_op(chosen, aten.sub.Tensor) and chosen.args[0] is indices and len(chosen.users) == 1 \
-            and chosen.kwargs.get("alpha", 1) == 1:
-        offset = _row_offset(chosen.args[1], fake.shape[0]) if rank == 2 else None
+    chosen, offset, offset_int32 = fill.args[kept], None, False
+    if _as_int32(indices) is chosen:  # the indices cast to int32 first
+        chosen = indices
+    if is_op(chosen, aten.sub.Tensor) and chosen.args[0] in (indices, _as_int32(indices)) \
+            and len(chosen.users) == 1 and chosen.kwargs.get("alpha", 1) == 1:
+        subtrahend = chosen.args[1]
+        if is_op(subtrahend, prims.convert_element_type.default) and subtrahend.args[1] == torch.int32 \
+                and len(subtrahend.users) == 1:  # an offset cast to int32 (the op subtracts it cast so)
+            subtrahend, offset_int32 = subtrahend.args[0], True
+        offset = _row_offset(subtrahend, fake.shape[0]) if rank == 2 else None
         if offset is None:
             raise NearMiss(f"indices minus {chosen.args[1]}: not one integer offset per row")
     elif chosen is not indices:
         raise NearMiss(f"the -1 fill applies to {chosen}, not to the top-k indices (minus a row offset)")
     if len(indices.users) != 1:
         raise NearMiss("the top-k indices have other users")
-    found = {"logits": logits, "k": k, "offset": offset, "pad": "neg1", "sorted": sorted_}
+    found = {"logits": logits, "k": k, "offset": offset, "offset_int32": offset_int32, "pad": "neg1",
+             "sorted": sorted_}
     cast = _as_int32(fill)
-    return {**found, "replace": cast or fill, "int64": cast is None}
+    return {**found, "replace": cast or fill, "int64": cast is None and tensor_val(fill).dtype == torch.int64}
 
 
 class TopkIndices(GraphPass):
@@ -243,8 +251,11 @@ class TopkIndices(GraphPass):
             fake = tensor_val(logits)
             rows = logits if fake.dim() == 2 else insert_call(  # (a symbolic width is never 0: Dynamo specialises 0)
                 graph, aten.reshape.default, (logits, [-1, size_arg(graph, fake.shape[-1], [logits])]))
+            offset = found["offset"]
+            if found.get("offset_int32"):
+                offset = insert_call(graph, prims.convert_element_type.default, (offset, torch.int32))
             new = insert_call(graph, torch.ops.nsa.topk_indices.default,
-                              (rows, found["k"], lengths, found["offset"], found["pad"], sorted_))
+                              (rows, found["k"], lengths, offset, found["pad"], sorted_))
             if fake.dim() != 2:  # the indices in the logits' leading dims
                 lead = [size_arg(graph, size, [logits]) for size in fake.shape[:-1]]
                 new = insert_call(graph, aten.reshape.default, (new, [*lead, found["k"]]))

@@ -67,6 +67,23 @@ def indexer_topk_uint8(logits, k):
     return indices.masked_fill(values == INF, -1).to(torch.uint8)
 
 
+def int32_then_offset(logits, offset, k):
+    """The indices and the offset cast to int32 before the subtraction: int32 all along."""
+    values, indices = torch.topk(logits, k)
+    return (indices.to(torch.int32) - offset[:, None].to(torch.int32)).masked_fill(values == INF, -1)
+
+
+def int32_minus_int64_offset(logits, offset, k):
+    """int32 indices minus an int64 offset: torch promotes the difference to int64."""
+    values, indices = torch.topk(logits, k)
+    return torch.where(values == INF, -1, indices.int() - offset.view(-1, 1))
+
+
+def int32_without_offset(logits, k):
+    values, indices = torch.topk(logits, k)
+    return torch.where(values != INF, indices.int(), -1)
+
+
 def as_rows(t: torch.Tensor) -> list[list[int]]:
     return [sorted(r) for r in t.tolist()]
 
@@ -80,7 +97,10 @@ def test_fires_and_keeps_the_sets(case):
                      (lambda x, o: topk_indices.search(x, o, k), (logits, offset)),
                      (lambda x, o: where_spelling_int64(x, o, k), (logits, offset)),
                      (lambda x: not_neg_inf_spelling(x, k), (logits,)),
-                     (lambda x: indexer_topk_uint8(x, k), (logits,))):
+                     (lambda x: indexer_topk_uint8(x, k), (logits,)),
+                     (lambda x, o: int32_then_offset(x, o, k), (logits, offset)),
+                     (lambda x, o: int32_minus_int64_offset(x, o, k), (logits, offset)),
+                     (lambda x: int32_without_offset(x, k), (logits,))):
         result, before, after, removed = run_pass(fn, *args)
         assert (result.matched, removed) == (1, 1), result.near_misses
         # distinct finite values: torch's descending order is the only one, and the -1 entries come last
