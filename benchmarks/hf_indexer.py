@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import nsa_inductor
+from end_to_end import topk_overlap
 from timing import graph_us
 
 HEAD_DIM = 128
@@ -61,16 +62,12 @@ def cell_inputs(cell: str, heads: int, device: str, gen: torch.Generator) -> tup
 
 
 def overlap(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> float:
-    """Mean share of each row's eager picks of finite score that ``got`` picks too (-inf picks: any columns)."""
+    """Mean share of each row's eager picks of finite score that ``got`` picks too (``end_to_end.topk_overlap`` with
+    the picks of -inf, any columns in plain top-k, as its -1 pads)."""
     rows = scores.reshape(-1, scores.shape[-1])
-    got, want = got.reshape(rows.shape[0], -1).long(), want.reshape(rows.shape[0], -1).long()
-    finite = torch.gather(rows, 1, want) != float("-inf")
-    shares = []
-    for g, w, f in zip(got.tolist(), want.tolist(), finite.tolist()):
-        picked = {c for c, keep in zip(w, f) if keep}
-        if picked:
-            shares.append(len(picked & set(g)) / len(picked))
-    return statistics.fmean(shares) if shares else 1.0
+    got, want = (t.reshape(rows.shape[0], -1).long() for t in (got, want))
+    got, want = (t.masked_fill(torch.gather(rows, 1, t).isneginf(), -1) for t in (got, want))
+    return topk_overlap(want, got)[0].mean().item()
 
 
 def us_per_call(fn, device: str) -> float:

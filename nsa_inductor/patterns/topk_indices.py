@@ -207,9 +207,10 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
         raise NearMiss("the -inf entries are not replaced by -1 (where(values == -inf, -1, indices) or "
                        "where(values != -inf, indices, -1))")
     chosen, offset, offset_int32 = fill.args[kept], None, False
-    if _as_int32(indices) is chosen:  # the indices cast to int32 first
+    narrowed = _as_int32(indices)  # the indices cast to int32 first, if they are
+    if chosen is narrowed:
         chosen = indices
-    if is_op(chosen, aten.sub.Tensor) and chosen.args[0] in (indices, _as_int32(indices)) \
+    if is_op(chosen, aten.sub.Tensor) and any(chosen.args[0] is x for x in (indices, narrowed)) \
             and len(chosen.users) == 1 and chosen.kwargs.get("alpha", 1) == 1:
         subtrahend = chosen.args[1]
         if is_op(subtrahend, prims.convert_element_type.default) and subtrahend.args[1] == torch.int32 \
