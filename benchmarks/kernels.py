@@ -9,7 +9,8 @@ kernels of a few µs); the rotation, top-k and the GEMMs that read x are CUDA-gr
 cost), the GEMMs' weights cycled through copies past the L2 (and once from it). Inputs are random (never zeros).
 Bandwidth counts K values + scales read, q, weights and the output written; the prefill counts 2*H*128 flops per
 visible (t, n) pair of the causal half.
-Floors (DESIGN §6): 4.3 TB/s copy bandwidth and ~1979 TFLOP/s dense fp8 on an H200.
+Floors (DESIGN §6): 4.3 TB/s copy bandwidth and ~1979 TFLOP/s dense fp8 on an H200 (~989 bf16, for the Hugging
+Face scores of ``nsa.batched_mqa_logits``, whose "torch" column is HF's scoring in ATen: fp32 matmuls).
 
 ``--only host``: what one call of each op costs the host (``bench_host``), next to a plain torch op, same run.
 """
@@ -32,6 +33,7 @@ from timing import copies_past_l2, graph_us, graph_us_over  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 FP8_FLOPS_PER_S = 1979e12
+BF16_FLOPS_PER_S = 989e12
 DEV = "cuda"
 LAYOUTS = {"flat": (1, False), "paged": (64, False), "preshuffle": (64, True)}
 
@@ -170,6 +172,48 @@ def bench_ragged(args, rows: list[dict]) -> None:
         "torch_us": torch_us, "tflops": flops / results[best] / 1e6, "floor_us": flops / FP8_FLOPS_PER_S * 1e6,
         "config": str(best or tk.RAGGED_CONFIG), "sweep": {str(c or tk.RAGGED_CONFIG): t for c, t in results.items()},
     })
+
+
+def _hf_scores(q, k, weights, scale):
+    """What ``nsa.batched_mqa_logits`` replaces: Hugging Face's scoring in ATen (fp32 matmuls of upcast bf16)."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale
+    return torch.matmul(weights.unsqueeze(-2), scores.relu()).squeeze(-2)
+
+
+def bench_batched(args, rows: list[dict]) -> None:
+    """``nsa.batched_mqa_logits`` (Hugging Face's indexer scores, 64 heads of 128) at decode and prefill sizes, each
+    tiling's configs swept: CUDA-graph medians, a decode's K cycled through copies past the L2 (read once a call)."""
+    tk, _ = _op("batched_mqa_logits")
+    cases = [(64, 1, 8192), (8, 1, 8192), (1, 1, 32768), (1, 4096, 4096)]
+    decode = [tk.BatchedConfig(False, keys_in_m=km, chunk=c, block_n=n, num_warps=w, num_stages=st)
+              for km, c, n, w, st in [(True, 1024, 128, 4, 2), (True, 512, 128, 4, 2), (True, 2048, 128, 4, 2),
+                                      (True, 1024, 64, 4, 2), (True, 1024, 128, 8, 2), (True, 1024, 128, 4, 3),
+                                      (False, 1024, 128, 4, 2), (False, 512, 64, 4, 2)]]
+    prefill = [tk.BatchedConfig(True, block_m=m, block_n=n, num_warps=w, num_stages=st)
+               for m, n, w, st in [(64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 2),
+                                   (64, 128, 4, 3), (128, 128, 4, 2)]]
+    for batch, tokens, keys in cases[:2] + cases[3:] if args.quick else cases:
+        heads, dim, scale = 64, 128, 128**-0.5
+        q = torch.randn(batch, tokens, heads, dim, device=DEV).bfloat16()
+        weights = torch.randn(batch, tokens, heads, device=DEV) * heads**-0.5
+        k_bytes = batch * keys * dim * 2
+        copies = copies_past_l2(k_bytes) if tokens == 1 else 3  # (a prefill reads its K from L2 anyway)
+        ks = [torch.randn(batch, keys, dim, device=DEV).bfloat16() for _ in range(copies)]
+        configs = decode if tokens < tk.ROWS_IN_M_FROM else prefill
+        results = {cfg: graph_us_over([lambda k=k, cfg=cfg: tk.batched_mqa_logits(q, k, weights, scale, config=cfg)
+                                       for k in ks]) for cfg in configs}
+        best = min(results, key=results.get)
+        torch_us = None if args.no_torch else graph_us_over([lambda k=k: _hf_scores(q, k, weights, scale) for k in ks])
+        case = f"B={batch} S={tokens} T={keys} H=64 bf16"
+        if tokens == 1:
+            row = _bandwidth_row("batched_mqa_logits", case, results[best], torch_us,
+                                 k_bytes + q.numel() * 2 + weights.numel() * 4 + batch * keys * 4)
+        else:
+            flops = 2 * heads * dim * batch * tokens * keys
+            row = {"kernel": "batched_mqa_logits", "case": case, "us": results[best], "torch_us": torch_us,
+                   "tflops": flops / results[best] / 1e6, "floor_us": flops / BF16_FLOPS_PER_S * 1e6}
+        rows.append({**row, "config": str(best), "sweep": {str(c): t for c, t in results.items()}})
+        del ks
 
 
 def bench_head_gate(args, rows: list[dict]) -> None:
@@ -526,7 +570,8 @@ def main() -> None:
                         metavar="BLOCK_M,GATE_BLOCK_N,K_BLOCK_N,BLOCK_K,WARPS,STAGES,GATE_SPLITS,K_SPLITS",
                         help="wk_gate_gemm config to try besides the sweep (repeatable)")
     parser.add_argument("--only", action="append",
-                        choices=["paged", "ragged", "quant", "gather", "head_gate", "xgemm", "topk", "rotate", "host"],
+                        choices=["paged", "ragged", "batched", "quant", "gather", "head_gate", "xgemm", "topk", "rotate",
+                                 "host"],
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -534,8 +579,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     benches = {"quant": bench_quant_store, "gather": bench_gather, "paged": bench_paged, "ragged": bench_ragged,
-               "head_gate": bench_head_gate, "xgemm": bench_xgemm, "topk": bench_topk, "rotate": bench_rotate,
-               "host": bench_host}
+               "batched": bench_batched, "head_gate": bench_head_gate, "xgemm": bench_xgemm, "topk": bench_topk,
+               "rotate": bench_rotate, "host": bench_host}
     selected = args.only or [name for name in benches if name != "host"]  # host: only when asked for
     for name, bench in benches.items():
         if name in selected:

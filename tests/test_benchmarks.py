@@ -201,7 +201,7 @@ def test_host_python_prints_every_call_with_and_without_plans(capsys, monkeypatc
 
 def test_hf_indexer_rows_agree_and_name_the_rewrite(capsys, monkeypatch):
     """``benchmarks/hf_indexer.py --small`` on the CPU: a row per cell (a decode step and a causal prefill), nsa_rocm's
-    int32 top-k agreeing with eager's on every finite pick and the top-k rewritten (its report found)."""
+    int32 top-k agreeing with eager's on every finite pick, the scores and the top-k rewritten (its report found)."""
     monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])  # (its `timing` import)
     spec = importlib.util.spec_from_file_location("benchmarks_hf_indexer", ROOT / "benchmarks" / "hf_indexer.py")
     module = importlib.util.module_from_spec(spec)
@@ -210,4 +210,5 @@ def test_hf_indexer_rows_agree_and_name_the_rewrite(capsys, monkeypatch):
                                       "--variants", "eager,nsa_rocm"])
     module.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| B3xT40 ", "| S24 "))]
-    assert len(rows) == 2 and all(row.endswith("| nsa_rocm 1.0000 | True |") for row in rows), rows
+    assert len(rows) == 2 and all(row.endswith("| nsa_rocm 1.0000 | batched_mqa_logits, topk_indices |")
+                                  for row in rows), rows

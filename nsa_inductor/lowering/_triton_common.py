@@ -376,6 +376,15 @@ def dot_bf16(acc, a, b):
 
 
 @triton.jit
+def dot_upcast(a, b):
+    """``a @ b`` in fp32 of bf16 or fp16 tiles (their products are exact in fp32): their own dot on GPUs; under the
+    interpreter (see ``dot_bf16``) an exact fp32 dot of their values."""
+    if ON_GPU:
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
 def mul_rn(a, b, CUDA_ISA: tl.constexpr):
     """``a * b`` rounded on its own, as eager's separate multiply kernel: with ``CUDA_ISA`` PTX's ``mul.rn``, which
     is never contracted into an FMA with the add after it; else a plain product (interpreter: exact; ROCm: the

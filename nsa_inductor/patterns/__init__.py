@@ -22,13 +22,15 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     ``rope_prologue`` after both (it moves the RoPE into the ops they made), both before ``head_gate_gemm``, whose gate
     chain then reads the fused op's scale; the logits passes run before the buffer pass, which needs to see the ``nsa``
     logits ops writing the buffer, and before ``topk_indices``, which reads their masks to bound its scan;
-    ``gather_k_slots`` reads K operands of the ``nsa.mqa_logits`` the ragged pass inserts; ``wk_gate_gemm`` anchors on
+    ``gather_k_slots`` reads K operands of the ``nsa.mqa_logits`` the ragged pass inserts; ``batched_mqa_logits``
+    (Hugging Face's bf16 scores) after the fp8 ones, whose idiom it leaves to them; ``wk_gate_gemm`` anchors on
     the op ``head_gate_gemm`` inserts; ``store_input_rounding``, ``layer_norm_prologue`` and ``split_k_prologue`` run
     in that order once the store's k is final (each strips a layer of what k is made of, outermost first);
     ``searchsorted_offset`` (a torch 2.11 lowering fix) runs after them so the matchers see the graph as the user wrote
     it; ``index_checks`` (``nsa.checks`` only) after them, to see every ``nsa`` op; ``side_stream``
     (unless ``nsa.side_stream=False``) last, over the final ops and every reader of what they touch.
     """
+    from .batched_mqa_logits import BatchedMqaLogits
     from .empty_logits_buffer import EmptyLogitsBuffer
     from .head_gate_gemm import HeadGateGemm
     from .layer_norm_prologue import LayerNormPrologue
@@ -52,8 +54,9 @@ def passes_for(options: NsaOptions) -> list[GraphPass]:
     wk_gate = WkGateGemm()
     passes: list[GraphPass] = [UnpadGemm(), RopeCopyElision(), QuantCacheStore(), RotateActQuant(), RopePrologue(),
                                head_gate, wk_gate, StoreInputRounding(), LayerNormPrologue(), SplitKPrologue(),
-                               PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), EmptyLogitsBuffer(),
-                               TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks(), SideStream()]
+                               PagedMqaLogits(), RaggedMqaLogits(), GatherKSlots(), BatchedMqaLogits(),
+                               EmptyLogitsBuffer(), TopkIndices(options.topk_order), SearchsortedOffset(), IndexChecks(),
+                               SideStream()]
     names = [p.name for p in passes]
     unknown = [name for name in options.disable_passes if name not in names]
     if unknown:

@@ -57,6 +57,12 @@ CASES = {
     "ragged logits": lambda: (nsa.mqa_logits, (fp8(256, 64, 128), fp8(256, 128), torch.empty(256),
                                                torch.empty(256, 64), torch.zeros(256, dtype=torch.int32),
                                                torch.arange(1, 257, dtype=torch.int32))),
+    "batched logits (Hugging Face), decode": lambda: (nsa.batched_mqa_logits, (
+        torch.empty(64, 1, 64, 128, dtype=torch.bfloat16), torch.empty(64, 8192, 128, dtype=torch.bfloat16),
+        torch.empty(64, 1, 64), 128**-0.5)),
+    "batched logits (Hugging Face), prefill": lambda: (nsa.batched_mqa_logits, (
+        torch.empty(1, 300, 64, 128, dtype=torch.bfloat16), torch.empty(1, 300, 128, dtype=torch.bfloat16),
+        torch.empty(1, 300, 64), 128**-0.5)),
     "rotation + act_quant": lambda: (nsa.rotate_act_quant, (torch.empty(64, 64, 128, dtype=torch.bfloat16),
                                                             torch.empty(128, 128), 128**-0.5, False, 128, "ue8m0",
                                                             FP8, 448.0)),

@@ -185,6 +185,9 @@ def small_inputs() -> dict[str, tuple]:
     k8, ks8 = random_fp8((9, 128), FN, gen), torch.rand(9, generator=gen) + 0.1
     ks, ke = torch.zeros(6, dtype=torch.int32), torch.arange(1, 7, dtype=torch.int32)
     return {
+        "batched_mqa_logits": (torch.randn(2, 3, 4, 64, generator=gen).bfloat16(),
+                               torch.randn(2, 5, 64, generator=gen).bfloat16(), torch.randn(2, 3, 4, generator=gen),
+                               0.125),
         "quant_cache_store": (torch.randn(6, 128).bfloat16(), cache, torch.tensor([0, 3, -1, 17, 40, 63]), 16, True,
                               "ue8m0", FN),
         "gather_k": (cache, block_table, cu, 16, True, 24, FN),

@@ -108,6 +108,10 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
     calls.append(("gather_k", (cache, torch.arange(pages, dtype=torch.int32)[None], cu, page, preshuffle, tokens, fp8),
                   {}))
     calls.append(("gather_k_slots", (cache, torch.arange(tokens), page, preshuffle, fp8), {}))
+    for batch, rows, keys, scale in ((64, 1, 8192, None), (8, 2, 8192, torch.tensor(0.1)), (1, 4096, 4096, None)):
+        calls.append(("batched_mqa_logits", (torch.zeros(batch, rows, 64, 128, dtype=torch.bfloat16),
+                                             torch.zeros(batch, keys, 128, dtype=torch.bfloat16),
+                                             torch.zeros(batch, rows, 64), 128**-0.5, scale), {}))
     for rows in (1, 64, 4096):
         x = torch.zeros(rows, 7168, dtype=torch.bfloat16)
         gate = torch.zeros(64, 7168)

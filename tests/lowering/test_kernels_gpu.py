@@ -16,7 +16,7 @@ from helpers.ops64 import FN, FNUZ, WEIGHT_MODES, adversarial_k, adversarial_top
     head_gate_partials64, paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, topk_logits
 from helpers.guards import Guarded
 from helpers.op_calls import CASES as OP_CALLS
-from helpers.reference64 import assert_logits_close
+from helpers.reference64 import assert_logits_close, batched_logits64
 
 pytestmark = [
     pytest.mark.gpu,
@@ -163,6 +163,31 @@ def test_mqa_logits_causal_prefill(heads):
     want = ragged_logits64(*cpu_args)
     assert_logits_close(got, want)
     assert_logits_close(torch.ops.nsa.mqa_logits(*gpu_args), want)
+
+
+@pytest.mark.parametrize("batch, tokens, heads, keys, dim, dtype", [
+    (64, 1, 64, 8192, 128, torch.bfloat16), (1, 1, 64, 32768, 128, torch.bfloat16),
+    (3, 2, 64, 1000, 128, torch.bfloat16),
+    (2, 5, 128, 77, 128, torch.float16), (1, 300, 64, 300, 128, torch.bfloat16), (2, 64, 32, 129, 48, torch.float16),
+    (4, 1, 3, 5, 16, torch.bfloat16), (2, 3, 4, 9, 320, torch.bfloat16), (0, 1, 64, 10, 128, torch.bfloat16),
+    (2, 1, 64, 0, 128, torch.bfloat16)])
+def test_batched_mqa_logits_matches_float64_and_eager(batch, tokens, heads, keys, dim, dtype):
+    """Both tilings (decode and prefill row counts), odd sizes, a head dim past the kernel's (the reference runs),
+    empty batches; against float64 and against eager's fp32 matmuls on this GPU."""
+    gen = torch.Generator().manual_seed(7)
+    args = [t.to(DEV) for t in (torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype),
+                                torch.randn(batch, keys, dim, generator=gen).to(dtype),
+                                torch.randn(batch, tokens, heads, generator=gen))]
+    got = torch.ops.nsa.batched_mqa_logits(*args, dim**-0.5)
+    assert_logits_close(got, batched_logits64(*args, dim**-0.5), rtol=1e-5)
+    scores = torch.matmul(args[0].float(), args[1].transpose(-1, -2).float().unsqueeze(1)) * dim**-0.5
+    eager = torch.matmul(args[2].unsqueeze(-2), scores.relu()).squeeze(-2)
+    assert_logits_close(got, eager, rtol=1e-5)
+    scaled = torch.ops.nsa.batched_mqa_logits(*args, 1.0, torch.tensor(dim**-0.5, device=DEV))
+    assert_logits_close(scaled, eager, rtol=1e-5)
+    tk = _tk("batched_mqa_logits")
+    for config in (tk.BatchedConfig(False, keys_in_m=False), tk.BatchedConfig(tokens < tk.ROWS_IN_M_FROM)):
+        assert_logits_close(tk.batched_mqa_logits(*args, dim**-0.5, config=config), eager, rtol=1e-5)
 
 
 def test_fnuz_ops_on_this_gpu():

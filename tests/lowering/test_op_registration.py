@@ -15,8 +15,8 @@ import nsa_inductor  # noqa: F401 (registers the ops)
 from helpers.ops64 import small_inputs
 from nsa_inductor.lowering import _host_plans as host_plans
 
-OPS = ["gather_k", "gather_k_slots", "head_gate_gemm", "mqa_logits", "paged_mqa_logits", "quant_cache_store",
-       "rotate_act_quant", "topk_indices", "wk_gate_gemm"]
+OPS = ["batched_mqa_logits", "gather_k", "gather_k_slots", "head_gate_gemm", "mqa_logits", "paged_mqa_logits",
+       "quant_cache_store", "rotate_act_quant", "topk_indices", "wk_gate_gemm"]
 
 
 def test_import_registers_every_op_without_triton_or_aiter():

@@ -14,7 +14,7 @@ from nsa_inductor.lowering.topk_indices import PADS
 from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k, adversarial_topk_logits, \
     assert_rows_close, assert_topk_valid, decode_cache, eager_topk_rows, head_gate_partials64, head_gate_weight64, paged_logits64, quant64, ragged_logits64, \
     random_fp8, random_paged_cache, slot_gather64, slot_of, small_inputs, tie_weights, topk_case
-from helpers.reference64 import assert_logits_close
+from helpers.reference64 import assert_logits_close, batched_logits64
 
 LAYOUTS = [(1, False), (16, False), (64, False), (16, True), (32, True), (64, True)]
 
@@ -287,6 +287,27 @@ def test_mqa_logits_matches_float64(tokens, keys, heads, dtype, seed):
     assert_logits_close(got, ragged_logits64(q, k, k_scale, weights, ks, ke), rtol=1e-5)
 
 
+@given(
+    batch=st.integers(0, 3),
+    tokens=st.integers(0, 5),
+    heads=st.integers(1, 9),
+    keys=st.integers(0, 40),
+    dim=st.sampled_from([0, 1, 16, 48, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_batched_mqa_logits_matches_float64(batch, tokens, heads, keys, dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, keys, dim, generator=gen).to(dtype)
+    weights = torch.randn(batch, tokens, heads, generator=gen)
+    got = torch.ops.nsa.batched_mqa_logits(q, k, weights, 0.125)
+    assert (got.shape, got.dtype) == ((batch, tokens, keys), torch.float32)
+    assert_logits_close(got, batched_logits64(q, k, weights, 0.125), rtol=1e-6)
+    scaled = torch.ops.nsa.batched_mqa_logits(q, k, weights, 1.0, torch.tensor(0.125))
+    assert_logits_close(scaled, batched_logits64(q, k, weights, 0.125), rtol=1e-6)
+
+
 def test_mqa_logits_causal_prefill():
     gen = torch.Generator().manual_seed(1)
     tokens, heads = 20, 32
@@ -433,7 +454,7 @@ def test_head_gate_gemm_round_weight_needs_fp32_weight():
 
 @pytest.mark.parametrize(
     "name", ["quant_cache_store", "gather_k", "gather_k_slots", "paged_mqa_logits", "mqa_logits", "topk_indices",
-             "head_gate_gemm", "wk_gate_gemm"]
+             "head_gate_gemm", "wk_gate_gemm", "batched_mqa_logits"]
 )
 def test_opcheck(name):
     utils = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
@@ -462,6 +483,8 @@ def test_fake_shapes():
         assert (out.shape, out.dtype) == ((4, 7), torch.int32)
         out = torch.ops.nsa.head_gate_gemm(*fake["head_gate_gemm"])
         assert (out.shape, out.dtype) == ((3, 5, 12), torch.float32)
+        out = torch.ops.nsa.batched_mqa_logits(*fake["batched_mqa_logits"])
+        assert (out.shape, out.dtype) == ((2, 3, 5), torch.float32)
         gates, k = torch.ops.nsa.wk_gate_gemm(*fake["wk_gate_gemm"])
         assert (gates.shape, gates.dtype, k.shape, k.dtype) == ((3, 5, 12), torch.float32, (2, 5, 20), torch.float32)
 
@@ -548,6 +571,16 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("wk_gate_gemm", 2, torch.zeros(20, 130), r"k_weight must be bfloat16 \[N, K=130\], got float32 \[20, 130\]"),
         ("wk_gate_gemm", 4, 0, r"k_splits must be >= 1, got 0"),
         ("wk_gate_gemm", 1, torch.zeros(12, 130).bfloat16(), None),
+        ("batched_mqa_logits", 0, torch.zeros(2, 3, 4, 64),
+         r"q must be bfloat16 or float16 \[B, S, H, D\], got float32"),
+        ("batched_mqa_logits", 1, torch.zeros(2, 5, 64).half(), r"k must be bfloat16 \[B=2, T, D=64\] \(same dtype as "
+                                                                r"q\), got float16"),
+        ("batched_mqa_logits", 1, torch.zeros(3, 5, 64).bfloat16(), r"k must be bfloat16 \[B=2, T, D=64\]"),
+        ("batched_mqa_logits", 2, torch.zeros(2, 3, 5), r"weights must be float32 \[B=2, S=3, H=4\], got float32 "
+                                                        r"\[2, 3, 5\]"),
+        ("batched_mqa_logits", 3, float("inf"), r"scale must be finite, got inf"),
+        ("batched_mqa_logits", 4, torch.tensor([0.5]),
+         r"scale_tensor must be float32 \[\] \(one value\), got float32 \[1\]"),
     ],
 )
 def test_validation_errors_name_the_tensor(name, index, value, message):

@@ -28,7 +28,7 @@ from helpers.ops64 import FN, FNUZ, HYP, TOPK_CASES, WEIGHT_MODES, adversarial_k
     assert_fp8_close, assert_rows_close, assert_topk_valid, eager_topk_rows, head_gate_weight64, integer_rows, \
     paged_logits64, random_cache, random_fp8, random_paged_cache, ragged_logits64, tie_weights, topk_case
 from helpers.guards import Guarded, bad_ids
-from helpers.reference64 import assert_logits_close
+from helpers.reference64 import assert_logits_close, batched_logits64
 
 CHILD_FLAG = "NSA_TRITON_INTERPRET_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
@@ -398,6 +398,25 @@ def test_mqa_logits_matches_float64(block_m, block_n):
     out = torch.full((tokens, keys), float("nan"))
     got = tk.mqa_logits(q, k, k_scale, weights, ks, ke, out=out, config=tk.RaggedConfig(block_m, block_n))
     assert_logits_close(got, ragged_logits64(q, k, k_scale, weights, ks, ke), rtol=1e-5)
+
+
+@child_only
+@pytest.mark.parametrize("rows_in_m, keys_in_m", [(False, True), (False, False), (True, False)])
+@pytest.mark.parametrize("batch, tokens, heads, keys, dim, dtype", [
+    (2, 1, 4, 37, 64, torch.bfloat16), (1, 3, 3, 5, 32, torch.float16), (3, 2, 16, 20, 16, torch.bfloat16),
+    (1, 17, 2, 1, 16, torch.float16), (2, 20, 3, 7, 48, torch.bfloat16)])
+def test_batched_mqa_logits_matches_float64(rows_in_m, keys_in_m, batch, tokens, heads, keys, dim, dtype):
+    """Both tilings at tile edges (rows, keys, heads, head dims not powers of two; chunks of 32 keys over 37)."""
+    tk = _kernels("batched_mqa_logits")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, keys, dim, generator=gen).to(dtype)
+    weights = torch.randn(batch, tokens, heads, generator=gen)
+    config = tk.BatchedConfig(rows_in_m, keys_in_m, block_m=16, block_n=16, chunk=32)
+    got = tk.batched_mqa_logits(q, k, weights, 0.3, config=config)
+    assert_logits_close(got, batched_logits64(q, k, weights, 0.3), rtol=1e-6)
+    got = tk.batched_mqa_logits(q, k, weights, 1.0, torch.tensor(0.3), config=config)  # a 0-d tensor scale
+    assert_logits_close(got, batched_logits64(q, k, weights, 0.3), rtol=1e-6)
 
 
 @child_only

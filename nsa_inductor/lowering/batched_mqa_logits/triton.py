@@ -1,0 +1,129 @@
+"""Triton kernels of ``nsa.batched_mqa_logits``, two tilings of one sum.
+
+Few query rows a batch entry (decode): a tile's M is the heads of 1-2 rows, so one dot scores them all against a
+block of keys and the head sum is a reduction of the tile; a program walks a chunk of keys with q in registers.
+Many rows (prefill): a tile's M is 64 rows of one head, the heads a loop that accumulates ``relu(dot) * w`` in
+place, as ``nsa.mqa_logits`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_common import cdiv, dot_upcast, launch, next_power_of_2, wait_for_previous_grid
+from . import reference
+
+
+@dataclass(frozen=True)
+class BatchedConfig:
+    """``rows_in_m``: the prefill tiling (``block_m`` rows a tile); else the decode one (``chunk`` keys a program, the
+    keys or the heads as the dot's M: ``keys_in_m``)."""
+
+    rows_in_m: bool
+    keys_in_m: bool = True
+    block_m: int = 64
+    block_n: int = 128
+    chunk: int = 1024
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+MAX_DIM = 256  # larger head dims (a tile of q and one of k no longer fit in registers) run the reference
+ROWS_IN_M_FROM = 16  # query rows a batch entry from which the prefill tiling serves
+
+
+def config_for(tokens: int, heads: int) -> BatchedConfig:
+    return BatchedConfig(rows_in_m=tokens >= ROWS_IN_M_FROM)
+
+
+@triton.jit
+def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, out_ptr, tokens, keys, heads, scale,
+                       ROWS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SCALE_TENSOR: tl.constexpr,
+                       KEYS_IN_M: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows ``s0 .. s0 + ROWS`` of batch entry b against keys ``[c * CHUNK, (c + 1) * CHUNK)``; ``KEYS_IN_M``: the
+    keys are the dot's M (the head sum then runs along each thread's row of the tile), else the heads are."""
+    wait_for_previous_grid(PDL)
+    b = tl.program_id(2).to(tl.int64)
+    s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    row_ok = s < tokens
+    rows = b * tokens + s  # rows of q [B * S, H, D] and of the output [B * S, T]
+    rh_ok = row_ok[:, None] & (h < heads)[None, :]
+    rh = rows[:, None] * heads + h[None, :]
+    q = tl.load(q_ptr + rh[:, :, None] * D + d[None, None, :], mask=rh_ok[:, :, None] & d_ok[None, None, :],
+                other=0.0)
+    q = tl.reshape(q, [ROWS * HP, DP])  # one dot scores every head of the rows
+    w = tl.load(w_ptr + rh, mask=rh_ok, other=0.0)
+    scale_by = tl.load(scale_ptr) if SCALE_TENSOR else 1.0
+    k_base = k_ptr + b * keys * D
+    for n0 in tl.range(tl.program_id(0) * CHUNK, tl.minimum((tl.program_id(0) + 1) * CHUNK, keys), BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=(n < keys)[:, None] & d_ok[None, :], other=0.0)
+        if KEYS_IN_M:
+            scores = tl.maximum(dot_upcast(k, tl.trans(q)) * scale * scale_by, 0.0)  # relu(k.q * scale), [N, ROWS*HP]
+            logits = tl.sum(tl.reshape(scores, [BLOCK_N, ROWS, HP]) * w[None, :, :], axis=2)
+            tl.store(out_ptr + rows[None, :] * keys + n[:, None], logits, mask=row_ok[None, :] & (n < keys)[:, None])
+        else:
+            scores = tl.maximum(dot_upcast(q, tl.trans(k)) * scale * scale_by, 0.0)  # relu(q.k * scale), [ROWS*HP, N]
+            logits = tl.sum(tl.reshape(scores, [ROWS, HP, BLOCK_N]) * w[:, :, None], axis=1)
+            tl.store(out_ptr + rows[:, None] * keys + n[None, :], logits, mask=row_ok[:, None] & (n < keys)[None, :])
+
+
+@triton.jit
+def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, out_ptr, tokens, keys, heads, scale,
+                      BLOCK_M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SCALE_TENSOR: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows ``s0 .. s0 + BLOCK_M`` of batch entry b against one block of keys, the heads in a loop."""
+    wait_for_previous_grid(PDL)
+    b = tl.program_id(2).to(tl.int64)
+    s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    row_ok = s < tokens
+    key_ok = n < keys
+    rows = b * tokens + s
+    k = tl.load(k_ptr + (b * keys + n[:, None]) * D + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    k_t = tl.trans(k)
+    scale_by = tl.load(scale_ptr) if SCALE_TENSOR else 1.0
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for h in tl.range(0, heads):
+        q = tl.load(q_ptr + (rows[:, None] * heads + h) * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + rows * heads + h, mask=row_ok, other=0.0)
+        acc += tl.maximum(dot_upcast(q, k_t) * scale * scale_by, 0.0) * w[:, None]
+    tl.store(out_ptr + rows[:, None] * keys + n[None, :], acc, mask=row_ok[:, None] & key_ok[None, :])
+
+
+def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, config: BatchedConfig | None = None
+                       ) -> torch.Tensor:
+    batch, tokens, heads, dim = q.shape
+    keys = k.shape[1]
+    if dim > MAX_DIM:
+        return reference.batched_mqa_logits(q, k, weights, scale, scale_tensor)
+    out = torch.empty(batch, tokens, keys, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    if heads == 0:
+        return out.zero_()
+    cfg = config or config_for(tokens, heads)
+    common = dict(SCALE_TENSOR=scale_tensor is not None, D=dim, DP=max(16, next_power_of_2(dim)), BLOCK_N=cfg.block_n,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.rows_in_m:
+        launch(_rows_in_m_kernel, (cdiv(keys, cfg.block_n), cdiv(tokens, cfg.block_m), batch),
+               q, k, weights, scale_tensor, out, tokens, keys, heads, scale, BLOCK_M=cfg.block_m, **common)
+    else:
+        hp = next_power_of_2(heads)
+        rows = min(next_power_of_2(tokens), max(1, 128 // hp)) if hp < 128 else 1
+        rows = max(rows, cdiv(16, hp))  # (a dot's M is at least 16)
+        launch(_heads_in_m_kernel, (cdiv(keys, cfg.chunk), cdiv(tokens, rows), batch),
+               q, k, weights, scale_tensor, out, tokens, keys, heads, scale, ROWS=rows, HP=hp, CHUNK=cfg.chunk,
+               KEYS_IN_M=cfg.keys_in_m, **common)
+    return out

@@ -1,0 +1,262 @@
+"""batched_mqa_logits: Hugging Face's indexer scoring (fp32 matmuls of upcast bf16/fp16 q and k, relu, a matmul
+with the head weights) becomes one nsa.batched_mqa_logits call; near misses keep the matmuls."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nsa_inductor
+from nsa_inductor.patterns.batched_mqa_logits import BatchedMqaLogits
+from helpers import pass_helpers
+from helpers.reference64 import assert_logits_close
+
+D = 64
+SCALE = D**-0.5
+
+
+def hf(q, k, w):
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE
+    return torch.matmul(w.unsqueeze(-2), F.relu(scores)).squeeze(-2)
+
+
+def relu_of_scaled(q, k, w):
+    scores = torch.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def scaled_after_relu(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1))) * SCALE
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def scale_in_weights(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul((w * SCALE).unsqueeze(-2), scores).squeeze(-2)
+
+
+def heads_flattened(q, k, w):
+    b, s, h, _ = q.shape
+    scores = torch.matmul(q.flatten(1, 2).float(), k.transpose(-1, -2).float()) * SCALE
+    scores = F.relu(scores).view(b, s, h, k.shape[1])
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def scores_transposed(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    return torch.matmul(scores.transpose(-1, -2), w.unsqueeze(-1)).squeeze(-1)
+
+
+def weights_reversed(q, k, w):  # the weights a computed tensor, read as [B, S, H]
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.flip(-1).unsqueeze(-2), scores).squeeze(-2)
+
+
+def first_entrys_keys(q, k, w):  # every batch entry scores k[0]: one batch entry of B * S rows to the op
+    scores = F.relu(torch.matmul(q.float(), k[:1].transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def heads_summed(q, k, w):  # the head sum a sum over the head dim of a product
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    return (scores * w.unsqueeze(-1)).sum(dim=2)
+
+
+def einsum_heads_first(q, k, w):  # DeepGEMM's reference order: scores [H, B*S, T] of q [B*S, H, D], one K per entry
+    scores = torch.einsum("bshd,btd->hbst", q.float(), k.float())
+    return (F.relu(scores * SCALE) * w.permute(2, 0, 1).unsqueeze(-1)).sum(dim=0)
+
+
+SPELLINGS = [hf, relu_of_scaled, scaled_after_relu, scale_in_weights, heads_flattened, scores_transposed,
+             weights_reversed, first_entrys_keys, heads_summed, einsum_heads_first]
+
+
+def inputs(batch, tokens, heads, keys, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, tokens, heads, D, generator=gen).to(dtype),
+            torch.randn(batch, keys, D, generator=gen).to(dtype), torch.randn(batch, tokens, heads, generator=gen))
+
+
+def count_ops(gm) -> tuple[int, int]:
+    nodes = list(gm.graph.nodes)
+    return (sum(n.target is torch.ops.aten.bmm.default for n in nodes),
+            sum(n.target is torch.ops.nsa.batched_mqa_logits.default for n in nodes))
+
+
+def run_pass(fn, *args):
+    gm = pass_helpers.functional_graph(fn, *args)
+    before = gm(*args)
+    result = BatchedMqaLogits()(gm.graph, None)
+    gm.graph.lint()
+    gm.recompile()
+    return result, before, gm(*args), count_ops(gm)
+
+
+@pytest.mark.parametrize("fn", SPELLINGS)
+@pytest.mark.parametrize("batch, tokens, heads, keys", [(2, 3, 4, 16), (1, 1, 4, 16), (3, 1, 2, 5), (1, 5, 3, 2)])
+def test_fires_on_each_spelling_and_keeps_the_logits(fn, batch, tokens, heads, keys):
+    result, before, after, (bmms, ops) = run_pass(fn, *inputs(batch, tokens, heads, keys))
+    assert (result.matched, result.near_misses, bmms, ops) == (1, [], 0, 1)
+    assert_logits_close(after, before, rtol=1e-6)
+
+
+def tensor_scale(q, k, w, scale):  # the scale a graph input, as Dynamo passes an unspecialised float
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale)
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def tensor_scale_then_number(q, k, w, scale):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * 0.5 * scale)
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def number_then_tensor_scale(q, k, w, scale):  # (dot * t) * 0.5: the kernel's dot * 0.5 * t would round otherwise
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale * 0.5)
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+@pytest.mark.parametrize("fn, fires", [(tensor_scale, True), (tensor_scale_then_number, True),
+                                       (number_then_tensor_scale, False)])
+def test_a_0d_tensor_scale_inside_the_relu(fn, fires):
+    result, before, after, (bmms, ops) = run_pass(fn, *inputs(2, 3, 4, 9), torch.tensor(0.3))
+    assert (result.matched, bmms, ops) == ((1, 0, 1) if fires else (0, 2, 0))
+    if fires:
+        assert_logits_close(after, before, rtol=1e-6)
+    else:
+        (miss,) = result.near_misses
+        assert "inside it, one 0-d fp32 tensor applied after them" in miss["reason"]
+
+
+def test_fp16_operands():
+    result, before, after, counts = run_pass(hf, *inputs(2, 2, 4, 9, torch.float16))
+    assert (result.matched, counts) == (1, (0, 1))
+    assert_logits_close(after, before, rtol=1e-6)
+
+
+def relu_scaled_by_a_negative(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1))) * -0.5
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def scores_times_a_tensor(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores * k[:, None, None, :, 0].float()).squeeze(-2)
+
+
+def fp32_q(q, k, w):
+    scores = F.relu(torch.matmul(q.float().exp(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def q_heads_first(q, k, w):  # q given as [B, H, S, D]: not the op's row-major order
+    scores = F.relu(torch.matmul(q.transpose(1, 2).float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def two_weight_rows(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(torch.stack([w, -w], -2), scores)
+
+
+def mixed_types(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.half().transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+@pytest.mark.parametrize("fn, q_shape, reason", [
+    (relu_scaled_by_a_negative, None, "multiplied by -0.5 after it: folded are numbers"),
+    (scores_times_a_tensor, None, r"multiplied by \w+ \([\w.]+\) after it: folded are numbers"),
+    (fp32_q, None, r"the dot's first operand is exp \(exp.default\) of float32"),
+    (q_heads_first, (2, 4, 3, D), r"q \(q\w* \(placeholder\) \[2, 4, 3, 64\]\) is not read as \[B, S, H, D\]"),
+    (two_weight_rows, None, "with 2 weight rows, expected one"),
+    (mixed_types, None, "q is torch.bfloat16 and k torch.float16"),
+])
+def test_near_misses_keep_the_matmuls(fn, q_shape, reason):
+    q, k, w = inputs(2, 3, 4, 7)
+    if q_shape is not None:
+        q = torch.randn(q_shape).bfloat16()
+    result, _, _, (bmms, ops) = run_pass(fn, q, k, w)
+    assert (result.matched, ops) == (0, 0) and bmms == 2
+    (miss,) = result.near_misses
+    assert re.search(reason, miss["reason"]), miss["reason"]
+
+
+def shared_keys(q, k, w):  # one K [T, D] for every row (a ragged prefill's keys): one batch entry of B * S rows
+    scores = torch.einsum("mhd,nd->hmn", q.flatten(0, 1).float(), k[0].float())
+    return (scores.relu() * w.flatten(0, 1).T.unsqueeze(-1)).sum(dim=0)
+
+
+def test_one_k_for_every_row():
+    q, k, w = inputs(2, 3, 4, 9)
+    result, before, after, (bmms, ops) = run_pass(shared_keys, q, k, w)
+    assert (result.matched, result.near_misses, bmms, ops) == (1, [], 0, 1)
+    assert_logits_close(after, before, rtol=1e-6)
+
+
+def keys_summed(q, k, w):  # a sum over the keys: no head sum
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return (scores * w.unsqueeze(-1)).sum(dim=-1)
+
+
+def gelu_scores(q, k, w):
+    scores = F.gelu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def fp8_logits(q, k, w):  # the fp8 MQA passes' idiom: their report, not this pass's
+    scores = F.relu(torch.matmul(q.to(torch.float8_e4m3fn).float(), k.to(torch.float8_e4m3fn).transpose(-1, -2)
+                                 .float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def fp8_logits_key_scaled(q, k, w):  # with the keys' scales after the relu, as the reference indexer sums its heads
+    scores = F.relu(torch.matmul(q.to(torch.float8_e4m3fn).float(), k.to(torch.float8_e4m3fn).transpose(-1, -2)
+                                 .float().unsqueeze(1)))
+    return (scores * k[:, None, None, :, 0].float().abs() * w.unsqueeze(-1)).sum(2)
+
+
+@pytest.mark.parametrize("fn", [gelu_scores, fp8_logits, fp8_logits_key_scaled, keys_summed])
+def test_other_activations_fp8_dots_and_other_sums_are_not_candidates(fn):
+    gm = pass_helpers.functional_graph(fn, *inputs(2, 3, 4, 7))
+    before = count_ops(gm)
+    result = BatchedMqaLogits()(gm.graph, None)
+    assert (result.matched, result.near_misses, count_ops(gm)) == (0, [], before)
+
+
+@pytest.mark.parametrize("heads, keys", [(1, 7), (4, 1)])
+def test_one_head_or_one_key_is_left_alone(heads, keys):
+    """With one head (or one key) torch's matmul with the weights is a product (or a sum of products), not a bmm:
+    nothing to rewrite; the compiled function stays eager's."""
+    result, before, after, (bmms, ops) = run_pass(hf, *inputs(2, 3, heads, keys))
+    assert (result.matched, result.near_misses, bmms, ops) == (0, [], 1, 0)
+    assert torch.equal(before, after)
+
+
+def hf_topk(q, k, w, mask):
+    scores = hf(q, k, w).masked_fill(~mask, float("-inf"))
+    return scores.topk(min(8, scores.shape[-1]), dim=-1).indices.to(torch.int32)
+
+
+@pytest.fixture(scope="module")
+def compiled_hf_topk():
+    torch._dynamo.reset()
+    return torch.compile(hf_topk, backend="nsa_rocm", dynamic=True)
+
+
+@pytest.mark.parametrize("batch, tokens, keys", [(3, 1, 40), (5, 1, 33), (1, 1, 40), (2, 4, 24), (1, 6, 6)])
+def test_compiled_indexer_picks_eagers_top_k(compiled_hf_topk, batch, tokens, keys):
+    """One dynamic compile over B, S and T (then Dynamo's size-1 graphs): both rewrites fire, and each row's picks
+    are eager's as a set."""
+    q, k, w = inputs(batch, tokens, 4, keys, seed=batch * 100 + keys)
+    mask = torch.arange(keys)[None, None, :] < torch.randint(1, keys + 1, (batch, tokens, 1))
+    got = compiled_hf_topk(q, k, w, mask)
+    want = hf_topk(q, k, w, mask)
+    assert got.shape == want.shape and got.dtype == torch.int32
+    scores = hf(q, k, w).masked_fill(~mask, float("-inf")).flatten(0, 1)
+    for row, g, e in zip(scores, got.flatten(0, 1).long(), want.flatten(0, 1).long()):
+        finite = set(e[row[e].isfinite()].tolist())
+        assert finite <= set(g.tolist()), (finite, g)
+    (report,) = nsa_inductor.last_reports()[-1:]
+    matched = {p["name"]: p["matched"] for p in report["passes"]}
+    assert matched["batched_mqa_logits"] == 1 and matched["topk_indices"] == 1
