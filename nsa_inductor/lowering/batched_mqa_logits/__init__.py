@@ -28,8 +28,7 @@ def _validate(q, k, weights, scale, scale_tensor) -> None:
         raise ValueError(f"scale must be finite, got {scale}")
     if scale_tensor is not None:
         check("scale_tensor", scale_tensor, (), (torch.float32,), "[] (one value)")
-        check_devices(q=q, k=k, weights=weights, scale_tensor=scale_tensor)
-    check_devices(q=q, k=k, weights=weights)
+    check_devices(q=q, k=k, weights=weights, **({} if scale_tensor is None else {"scale_tensor": scale_tensor}))
 
 
 @nsa_op("batched_mqa_logits")

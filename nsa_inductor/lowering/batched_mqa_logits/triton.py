@@ -1,7 +1,8 @@
 """Triton kernels of ``nsa.batched_mqa_logits``, two tilings of one sum.
 
-Few query rows a batch entry (decode): a tile's M is the heads of 1-2 rows, so one dot scores them all against a
-block of keys and the head sum is a reduction of the tile; a program walks a chunk of keys with q in registers.
+Few query rows a batch entry (decode): one dot scores every head of 1-2 rows against a block of keys (the keys as
+its M, so that the head sum runs along each thread's row of the tile; or the heads) and the head sum is a reduction
+of the tile; a program walks a chunk of keys with q in registers.
 Many rows (prefill): a tile's M is 64 rows of one head, the heads a loop that accumulates ``relu(dot) * w`` in
 place, as ``nsa.mqa_logits`` does.
 """
@@ -36,7 +37,7 @@ MAX_DIM = 256  # larger head dims (a tile of q and one of k no longer fit in reg
 ROWS_IN_M_FROM = 16  # query rows a batch entry from which the prefill tiling serves
 
 
-def config_for(tokens: int, heads: int) -> BatchedConfig:
+def config_for(tokens: int) -> BatchedConfig:
     return BatchedConfig(rows_in_m=tokens >= ROWS_IN_M_FROM)
 
 
@@ -113,7 +114,7 @@ def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, config: BatchedC
         return out
     if heads == 0:
         return out.zero_()
-    cfg = config or config_for(tokens, heads)
+    cfg = config or config_for(tokens)
     common = dict(SCALE_TENSOR=scale_tensor is not None, D=dim, DP=max(16, next_power_of_2(dim)), BLOCK_N=cfg.block_n,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.rows_in_m:
