@@ -186,7 +186,7 @@ def bench_batched(args, rows: list[dict]) -> None:
     tk, _ = _op("batched_mqa_logits")
     cases = [(64, 1, 8192), (8, 1, 8192), (1, 1, 32768), (1, 4096, 4096)]
     decode = [tk.BatchedConfig(False, keys_in_m=km, chunk=c, block_n=n, num_warps=w, num_stages=st)
-              for km, c, n, w, st in [(True, 1024, 128, 4, 2), (True, 512, 128, 4, 2), (True, 2048, 128, 4, 2),
+              for km, c, n, w, st in [(True, 512, 128, 4, 2), (True, 1024, 128, 4, 2), (True, 2048, 128, 4, 2),
                                       (True, 1024, 64, 4, 2), (True, 1024, 128, 8, 2), (True, 1024, 128, 4, 3),
                                       (False, 1024, 128, 4, 2), (False, 512, 64, 4, 2)]]
     prefill = [tk.BatchedConfig(True, block_m=m, block_n=n, num_warps=w, num_stages=st)

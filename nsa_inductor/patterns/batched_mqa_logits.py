@@ -32,6 +32,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 UPCAST_DTYPES = (torch.bfloat16, torch.float16)
+DOTS = (aten.bmm.default, aten.mm.default)  # an mm: a bmm of batch 1 (Inductor's bmm_to_mm on GPUs)
 SAMPLES = 48  # (row, key) outputs probed, each for every head and every dot index
 
 
@@ -71,10 +72,12 @@ def _scores_of(node: torch.fx.Node, coords: torch.Tensor):
         else:
             break
         node, coords = follow(x, coords)
-    if not (relu_seen and is_op(node, aten.bmm.default)) or reads_fp8(node):
+    if not (relu_seen and is_op(node, *DOTS)) or reads_fp8(node):
         return None
     if problem is not None:
         raise NearMiss(problem)
+    if is_op(node, aten.mm.default):  # (a batch of one: its coordinates as a bmm's)
+        coords = torch.cat([torch.zeros_like(coords[:, :1]), coords], 1)
     return node, coords, scale, scale_tensor
 
 
@@ -121,21 +124,22 @@ class BatchedMqaLogits(GraphPass):
     name = "batched_mqa_logits"
 
     def candidates(self, graph: torch.fx.Graph, ctx: PassContext | None):
-        return [n for n in graph.nodes if is_op(n, aten.bmm.default)
+        return [n for n in graph.nodes if is_op(n, *DOTS)
                 and any(isinstance(a, torch.fx.Node) and _holds_relu_of_dot(a) for a in n.args[:2])
                 or _head_sum(n) is not None]
 
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext | None) -> None:
         """Sample outputs ``(r, t)`` of the anchor seen as ``[rows, keys]``, follow each head's scores to the dot and
         each dot index to q and k, and each weight to its tensor; prove the three row-major maps, then rewrite."""
-        if is_op(anchor, aten.bmm.default):
-            rows, m, n = shape_of(anchor)
+        batch_of_one = [] if is_op(anchor, aten.bmm.default) else [1]  # (an mm)
+        if is_op(anchor, *DOTS):
+            rows, m, n = batch_of_one + shape_of(anchor)
             scores_first = _holds_relu_of_dot(anchor.args[0])  # scores^T @ w: [R, T, H] @ [R, H, 1]
             scores_arg, weights_arg = anchor.args[:2] if scores_first else anchor.args[::-1]
             keys, single = (m, n) if scores_first else (n, m)
-            heads = shape_of(scores_arg)[2 if scores_first else 1]
-            symbolic = (val(anchor).shape[0], val(anchor).shape[1 if scores_first else 2],
-                        val(scores_arg).shape[2 if scores_first else 1])
+            heads = (batch_of_one + shape_of(scores_arg))[2 if scores_first else 1]
+            sizes, scores_sizes = batch_of_one + list(val(anchor).shape), batch_of_one + list(val(scores_arg).shape)
+            symbolic = (sizes[0], sizes[1 if scores_first else 2], scores_sizes[2 if scores_first else 1])
             if single != 1:
                 raise NearMiss(f"{describe(anchor)} contracts the heads of relu(q·k) with {single} weight rows, "
                                "expected one (a weighted head sum)")
@@ -149,17 +153,17 @@ class BatchedMqaLogits(GraphPass):
                 raise NearMiss(f"the head sum {describe(anchor)} has no weights tensor")
         if rows * keys * heads == 0:
             raise NearMiss(f"{describe(anchor)} {shape_of(anchor)} has an empty dimension: nothing to compute")
-        if not is_op(anchor, aten.bmm.default):
+        if not is_op(anchor, *DOTS):
             symbolic = (val(anchor).numel() // val(anchor).shape[-1], val(anchor).shape[-1], val(mul).shape[head_dim])
         gen = torch.Generator().manual_seed(0)
         pick = torch.randint(0, rows * keys, (SAMPLES,), generator=gen)
         pick[:2] = torch.tensor([0, rows * keys - 1])
         r, t = (pick // keys).repeat_interleave(heads), (pick % keys).repeat_interleave(heads)
         h = torch.arange(heads).repeat(SAMPLES)
-        if is_op(anchor, aten.bmm.default):
+        if is_op(anchor, *DOTS):
             zero = torch.zeros_like(r)
-            scores_at = torch.stack([r, t, h] if scores_first else [r, h, t], 1)
-            weights_at = torch.stack([r, h, zero] if scores_first else [r, zero, h], 1)
+            scores_at = torch.stack([r, t, h] if scores_first else [r, h, t], 1)[:, len(batch_of_one):]
+            weights_at = torch.stack([r, h, zero] if scores_first else [r, zero, h], 1)[:, len(batch_of_one):]
         else:
             lead = unravel(r, shape_of(anchor)[:-1])
             scores_at = torch.cat([lead[:, :head_dim], h[:, None], lead[:, head_dim:], t[:, None]], 1)
@@ -168,13 +172,14 @@ class BatchedMqaLogits(GraphPass):
         if found is None:
             raise NearMiss(f"the heads {describe(anchor)} sums are not relu(q·k) through reshapes")
         dot, dot_at, scale, scale_tensor = found
-        dim = shape_of(dot.args[0])[2]
+        dim = shape_of(dot.args[0])[-1]
         if dim == 0:
             raise NearMiss(f"the dot {describe(dot)} contracts no values")
         d = torch.arange(dim).repeat(dot_at.shape[0])
         each = dot_at.repeat_interleave(dim, 0)
-        q, q_at = _upcast_source(dot.args[0], torch.stack([each[:, 0], each[:, 1], d], 1), "first operand")
-        k, k_at = _upcast_source(dot.args[1], torch.stack([each[:, 0], d, each[:, 2]], 1), "second operand")
+        skip = 0 if is_op(dot, aten.bmm.default) else 1  # (an mm's operands have no batch coordinate)
+        q, q_at = _upcast_source(dot.args[0], torch.stack([each[:, 0], each[:, 1], d], 1)[:, skip:], "first operand")
+        k, k_at = _upcast_source(dot.args[1], torch.stack([each[:, 0], d, each[:, 2]], 1)[:, skip:], "second operand")
         w, w_at = follow(weights_arg, weights_at)
         if val(q).dtype != val(k).dtype:
             raise NearMiss(f"q is {val(q).dtype} and k {val(k).dtype}: the kernel multiplies one type")
@@ -207,7 +212,7 @@ class BatchedMqaLogits(GraphPass):
         """``B, S, H, T, D`` for the op's reshapes from the anchor's ``(rows, keys, heads)`` (sizes or symbols): ints,
         or size nodes of the graph's tensors."""
         rows, keys, heads = symbolic
-        dim = val(dot.args[0]).shape[2]
+        dim = val(dot.args[0]).shape[-1]
         batch = val(k).numel() // (keys * dim)
         sources = sources + [n for n in graph.nodes if n.op == "placeholder"]
         return [size_arg(graph, as_int(x) if as_int(x) is not None else x, sources)

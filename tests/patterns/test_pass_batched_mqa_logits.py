@@ -260,3 +260,19 @@ def test_compiled_indexer_picks_eagers_top_k(compiled_hf_topk, batch, tokens, ke
     (report,) = nsa_inductor.last_reports()[-1:]
     matched = {p["name"]: p["matched"] for p in report["passes"]}
     assert matched["batched_mqa_logits"] == 1 and matched["topk_indices"] == 1
+
+
+def test_a_batch_of_one_as_inductors_gpu_graph_has_it(monkeypatch):
+    """On GPUs Inductor's joint-graph pass turns a bmm of batch 1 into an mm (``bmm_to_mm``; forced here on the
+    CPU): one sequence's decode step is rewritten all the same, and equals eager."""
+    from torch._inductor.fx_passes import joint_graph
+
+    monkeypatch.setattr(joint_graph, "check_device", lambda *unused: True)
+    torch._dynamo.reset()
+    q, k, w = inputs(1, 1, 4, 40)
+    mask = torch.arange(40)[None, None, :] < 33
+    got = torch.compile(hf_topk, backend="nsa_rocm", dynamic=False)(q, k, w, mask)
+    (report,) = nsa_inductor.last_reports()[-1:]
+    matched = {p["name"]: p["matched"] for p in report["passes"]}
+    assert matched["batched_mqa_logits"] == 1 and matched["topk_indices"] == 1, report["passes"]
+    assert set(got.flatten().tolist()) == set(hf_topk(q, k, w, mask).flatten().tolist())

@@ -38,7 +38,9 @@ ROWS_IN_M_FROM = 16  # query rows a batch entry from which the prefill tiling se
 
 
 def config_for(tokens: int) -> BatchedConfig:
-    return BatchedConfig(rows_in_m=tokens >= ROWS_IN_M_FROM)
+    """The prefill tiling from ``ROWS_IN_M_FROM`` rows, else the decode one with chunks of 512 keys (as fast as 3
+    stages at 1024 in the sweep in BENCHMARKS.md, and within gfx942's 64 KB of shared memory, which 3 stages pass)."""
+    return BatchedConfig(rows_in_m=True) if tokens >= ROWS_IN_M_FROM else BatchedConfig(rows_in_m=False, chunk=512)
 
 
 @triton.jit
