@@ -19,8 +19,9 @@
 # ab: `topk_ab.py` (no GPU tests): the package copies in AB_PKGS ("name=dir,...", default "main=dev/main_pkg,tree=.";
 # make a copy with `git archive`, see topk_ab.py, and carry dev/), the cells in AB_CELLS (default: its own), other
 # options in AB_ARGS (e.g. "--rounds 3 --kernels").
-# hf: Hugging Face's DeepSeek-V3.2 indexer from scores to top-k (`hf_indexer.py`, no GPU tests): eager, default
-# Inductor and nsa_rocm under CUDA graphs, decode B=64/8 ctx 8192, B=1 ctx 32768, causal prefill 4096.
+# hf: Hugging Face's DeepSeek-V3.2 indexer (no GPU tests): `nsa.batched_mqa_logits` against HF's ATen scoring
+# (`kernels.py --only batched`), then from scores to top-k (`hf_indexer.py`): eager, default Inductor and nsa_rocm
+# under CUDA graphs, decode B=64/8 ctx 8192, B=1 ctx 32768, causal prefill 4096.
 # GPU_TESTS=0 skips the GPU tests of the modes that run them (they take ~330 s of the 600 s a device call may run:
 # `decode` with them does not fit one call).
 set -uo pipefail
@@ -75,7 +76,8 @@ case "$mode" in
             --out "$OUT/engine_prefill" 2>&1 | tee "$OUT/engine_prefill.log" | tail -n 5
           python3 benchmarks/end_to_end.py --engine --prefill 0 --cuda-graphs --variants eager,nsa_rocm \
             --out "$OUT/engine_decode" 2>&1 | tee "$OUT/engine_decode.log" | tail -n 5 ;;
-  hf) python3 benchmarks/hf_indexer.py 2>&1 | tee "$OUT/hf_indexer.log" | grep '^|' ;;
+  hf) python3 benchmarks/kernels.py --only batched --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | grep '^| batched'
+      python3 benchmarks/hf_indexer.py 2>&1 | tee "$OUT/hf_indexer.log" | grep '^|' ;;
   host) python3 benchmarks/kernels.py --only host --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -n 3
         python3 benchmarks/host_python.py --calls 1000 2>&1 | tee "$OUT/host_python.log" | grep -E "^\||nothing" ;;
   decode) python3 benchmarks/kernels.py --only topk --only paged --quick --out "$OUT/bench" 2>&1 \
