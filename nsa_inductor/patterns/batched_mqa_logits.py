@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import as_int, describe, insert_call, is_op, replace, reshape, size_arg, val
+from .fx_utils import as_int, describe, insert_call, is_op, replace, reshape, size_arg, tensor_val, val
 from .mqa.probe import bmap, follow, linear, shape_of, unravel
 from .mqa.proofs import reads_fp8, relu_input
 
@@ -51,7 +51,7 @@ def _scores_of(node: torch.fx.Node, coords: torch.Tensor):
         if x is not None and not relu_seen:
             relu_seen = True
         elif is_op(node, aten.mul.Tensor):
-            full = [a for a in node.args[:2] if isinstance(a, torch.fx.Node) and list(val(a).shape) ==
+            full = [a for a in node.args[:2] if tensor_val(a) is not None and list(val(a).shape) ==
                     list(val(node).shape) and val(a).dtype == torch.float32]
             if not full:
                 return None
@@ -83,6 +83,8 @@ def _scores_of(node: torch.fx.Node, coords: torch.Tensor):
 
 def _holds_relu_of_dot(node: torch.fx.Node) -> bool:
     """Whether ``node`` is relu(q·k) of a dot that reads no fp8, or a near miss of it."""
+    if tensor_val(node) is None:
+        return False
     coords = torch.zeros(1, val(node).dim(), dtype=torch.int64)
     try:
         return _scores_of(node, coords) is not None
@@ -103,7 +105,7 @@ def _upcast_source(node: torch.fx.Node, coords: torch.Tensor, what: str):
 def _scores_operand(mul: torch.fx.Node) -> int | None:
     """Which operand of ``mul`` holds relu(q·k), if one does."""
     for i, a in enumerate(mul.args[:2]):
-        if isinstance(a, torch.fx.Node) and list(val(a).shape) == list(val(mul).shape) and _holds_relu_of_dot(a):
+        if tensor_val(a) is not None and list(val(a).shape) == list(val(mul).shape) and _holds_relu_of_dot(a):
             return i
     return None
 
@@ -113,9 +115,12 @@ def _head_sum(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
     if not is_op(node, aten.sum.dim_IntList) or len(node.args) < 2 or len(node.args[1]) != 1 \
             or node.kwargs.get("dtype") is not None or (len(node.args) > 2 and node.args[2]) or node.kwargs.get("keepdim"):
         return None
-    mul, rank = node.args[0], val(node.args[0]).dim()
+    mul = node.args[0]
+    if not is_op(mul, aten.mul.Tensor) or tensor_val(mul) is None:
+        return None
+    rank = val(mul).dim()
     dim = node.args[1][0] % rank
-    if dim == rank - 1 or not is_op(mul, aten.mul.Tensor) or _scores_operand(mul) is None:
+    if dim == rank - 1 or _scores_operand(mul) is None:
         return None
     return dim, mul
 
