@@ -2,8 +2,9 @@
 
 Matches ``torch.topk`` over the last dim of fp32 logits, either the masked idiom (values used only for the
 ``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there, either cast to int32 or not;
-int32 or int64 result) or plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``, values unused; -inf
-entries keep their columns; an int32 cast of them is the op's own dtype), also spelled as a descending sort cut to
+int32 or int64 result) or plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``; -inf entries keep
+their columns; an int32 cast of them is the op's own dtype; values used otherwise, e.g. returned as Hugging Face's
+newest indexer does, are gathered from the logits at the op's indices: torch's values, in its order), also spelled as a descending sort cut to
 its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column
 order).
 Logits of another rank (one row ``[T]``; ``[B, S, T]``, as Hugging Face's DeepSeek-V3.2 indexer scores) are rows
@@ -13,8 +14,8 @@ mask bounds each row's scan (``lengths``), and where the top-k is the logits' on
 masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
-Never (near misses): ``largest=False``, another dim, logits not fp32, values used for anything but the
-``== -inf`` or ``!= -inf`` test (``> -inf`` is false for NaN too), a fill other than -1, an offset that is not one
+Never (near misses): ``largest=False``, another dim, logits not fp32, a masked idiom whose ``-inf`` test is
+``> -inf`` (false for NaN too), a fill other than -1, an offset that is not one
 value per row; a sort that is ascending, stable, cut other than ``[..., :k]`` or whose values are used.
 """
 
@@ -195,9 +196,8 @@ def match_topk(topk: torch.fx.Node) -> dict[str, Any]:
         return _found_plain(logits, k, indices, sorted_)
     test = _only_user(values)
     if not (is_op(test, aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar) and test.args[0] is values
-            and test.args[1] == float("-inf")):
-        raise NearMiss("the top-k values are used for something other than an == -inf or != -inf test (the op "
-                       "returns indices only)")
+            and test.args[1] == float("-inf")):  # values used otherwise: gathered from the logits at the indices
+        return {**_found_plain(logits, k, indices, sorted_), "values": values}
     if is_op(test, aten.gt.Scalar):
         raise NearMiss("the -inf test is values > -inf, which is false for NaN too: a NaN's index would become -1, "
                        "where the op keeps it (test values == -inf or values != -inf)")
@@ -242,9 +242,10 @@ class TopkIndices(GraphPass):
 
     def rewrite(self, graph: torch.fx.Graph, topk: torch.fx.Node, ctx: PassContext | None) -> None:
         found = match_topk(topk) if is_op(topk, aten.topk.default) else match_sorted_cut(topk)
-        replaced = found["replace"]
+        replaced, values = found["replace"], found.get("values")
         logits = found["logits"]
-        with graph.inserting_before(replaced):
+        # (with values, before the top-k: a reader of them may come before the indices' cast)
+        with graph.inserting_before(topk if values is not None else replaced):
             lengths = _lengths(graph, logits)
             if lengths is not None and len(logits.users) == 1:  # an nsa logits op read only up to the lengths
                 set_arg(logits, "write_masked", False)
@@ -262,5 +263,9 @@ class TopkIndices(GraphPass):
                 new = insert_call(graph, aten.reshape.default, (new, [*lead, found["k"]]))
             if found["int64"]:
                 new = insert_call(graph, prims.convert_element_type.default, (new, torch.int64))
+            if values is not None:  # torch's values: the logits at the op's indices, in their order
+                index = new if found["int64"] else insert_call(graph, prims.convert_element_type.default,
+                                                               (new, torch.int64))
+                values.replace_all_uses_with(insert_call(graph, aten.gather.default, (logits, -1, index)))
         replaced.replace_all_uses_with(new)
         erase_dead(graph, [replaced, *topk.users])  # an unused values output goes too

@@ -276,3 +276,27 @@ def test_a_batch_of_one_as_inductors_gpu_graph_has_it(monkeypatch):
     matched = {p["name"]: p["matched"] for p in report["passes"]}
     assert matched["batched_mqa_logits"] == 1 and matched["topk_indices"] == 1, report["passes"]
     assert set(got.flatten().tolist()) == set(hf_topk(q, k, w, mask).flatten().tolist())
+
+
+def hf_topk_with_scores(q, k, w, mask):  # transformers' newest indexer returns the top-k scores too
+    scores = hf(q, k, w).masked_fill(~mask, float("-inf"))
+    values, indices = scores.topk(min(8, scores.shape[-1]), dim=-1)
+    return indices.to(torch.int32), values
+
+
+def test_compiled_indexer_returning_its_scores():
+    """Both rewrites fire; the scores returned are the logits at the op's picks, eager's within the logits'
+    tolerance, in descending order."""
+    torch._dynamo.reset()
+    q, k, w = inputs(2, 3, 4, 24)
+    mask = torch.arange(24)[None, None, :] < torch.randint(1, 25, (2, 3, 1))
+    got_indices, got_values = torch.compile(hf_topk_with_scores, backend="nsa_rocm")(q, k, w, mask)
+    (report,) = nsa_inductor.last_reports()[-1:]
+    matched = {p["name"]: p["matched"] for p in report["passes"]}
+    assert matched["batched_mqa_logits"] == 1 and matched["topk_indices"] == 1, report["passes"]
+    want_indices, want_values = hf_topk_with_scores(q, k, w, mask)
+    assert got_indices.dtype == torch.int32 and got_indices.shape == want_indices.shape
+    finite = want_values.isfinite()
+    assert torch.equal(got_values.isfinite(), finite)
+    assert torch.allclose(got_values[finite], want_values[finite], rtol=1e-5, atol=1e-6)
+    assert bool((got_values[..., :-1] >= got_values[..., 1:]).all())

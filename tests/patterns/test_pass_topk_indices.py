@@ -314,6 +314,37 @@ def first_dim_sort_cut(logits):
     return logits.argsort(dim=0, descending=True)[:, :3]
 
 
+def hf_scores_and_indices(logits):  # Hugging Face's newest indexer: [B, S, T] scores, both outputs returned
+    scores = logits.view(2, 2, 6)
+    values, indices = scores.topk(3, dim=-1)
+    return indices.to(torch.int32), values
+
+
+def unsorted_values_summed(logits):
+    values, indices = torch.topk(logits, 3, sorted=False)
+    return indices, values.sum(-1)
+
+
+@pytest.mark.parametrize("fn", [plain_values_returned, values_also_returned, other_test, hf_scores_and_indices,
+                                unsorted_values_summed])
+def test_values_used_otherwise_are_gathered_from_the_logits(fn):
+    """Top-k values used for anything but the masked idiom's -inf test (returned, compared, summed) are the logits
+    at the op's indices: torch's values in torch's order; the indices are torch's where the values are distinct
+    and finite (row 1's -inf picks: any of its -inf columns, as torch's)."""
+    logits = topk_logits_small()
+    result, before, after, removed = run_pass(fn, logits)
+    assert (result.matched, result.near_misses, removed) == (1, [], 1)
+    pair = (before, after) if isinstance(before, tuple) else ((before,), (after,))
+    for b, a in zip(*pair):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if b.is_floating_point():
+            assert torch.equal(a, b)
+        else:
+            rows_a, rows_b = a.reshape(4, -1), b.reshape(4, -1)
+            assert torch.equal(rows_a[[0, 2, 3]], rows_b[[0, 2, 3]]) or fn is unsorted_values_summed
+            assert set(rows_a[1].tolist()) >= {0, 1} and len(set(rows_a[1].tolist())) == 3
+
+
 @pytest.mark.parametrize("fn", [indexer_topk, not_neg_inf_spelling])
 def test_nan_entries_keep_their_index(fn):
     """``NaN == -inf`` is false and ``NaN != -inf`` true: a selected NaN keeps its column in both masked spellings,
@@ -326,11 +357,8 @@ def test_nan_entries_keep_their_index(fn):
 
 
 @pytest.mark.parametrize("fn, reason", [
-    (values_also_returned, "values are used for something other"),
-    (plain_values_returned, "values are used for something other"),
     (smallest, "largest=False"),
     (other_fill, "not replaced by -1"),
-    (other_test, "used for something other than an == -inf or != -inf test"),
     (above_neg_inf_test, "false for NaN too"),
     (not_neg_inf_other_fill, "not replaced by -1"),
     (per_element_offset, "not one integer offset per row"),
