@@ -10,8 +10,8 @@ order).
 Logits of another rank (one row ``[T]``; ``[B, S, T]``, as Hugging Face's DeepSeek-V3.2 indexer scores) are rows
 too: the op reads their ``[-1, T]`` view, its indices are viewed back (no offset there: one a row is a 2-D idiom).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
-mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader, the logits op leaves the
-masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
+mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader (its values unused), the
+logits op leaves the masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
 ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
 order.
 Never (near misses): ``largest=False``, another dim, logits not fp32, a masked idiom whose ``-inf`` test is
@@ -247,8 +247,8 @@ class TopkIndices(GraphPass):
         # (with values, before the top-k: a reader of them may come before the indices' cast)
         with graph.inserting_before(topk if values is not None else replaced):
             lengths = _lengths(graph, logits)
-            if lengths is not None and len(logits.users) == 1:  # an nsa logits op read only up to the lengths
-                set_arg(logits, "write_masked", False)
+            if lengths is not None and len(logits.users) == 1 and values is None:
+                set_arg(logits, "write_masked", False)  # an nsa logits op read only up to the lengths
             sorted_ = bool(found["sorted"]) and self.order == "sorted"
             fake = tensor_val(logits)
             rows = logits if fake.dim() == 2 else insert_call(  # (a symbolic width is never 0: Dynamo specialises 0)

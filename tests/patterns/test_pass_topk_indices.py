@@ -427,16 +427,20 @@ def test_a_compiled_sorted_cut_is_rewritten():
 
 def paged_topk(q8, cache, w, ctx, bt, *, also_logits):
     logits = torch.ops.nsa.paged_mqa_logits(q8, cache, w, ctx, bt, 48, 16, False)
+    if also_logits == "values":  # the values gathered from the logits at the picks, -inf columns among them
+        values, idx = logits.topk(8)
+        return idx, values
     idx = indexer_topk(logits, 8)
     return (idx, logits) if also_logits else idx
 
 
-@pytest.mark.parametrize("also_logits", [False, True])
+@pytest.mark.parametrize("also_logits", [False, True, "values"])
 def test_paged_logits_leave_the_masked_columns_to_an_only_top_k(also_logits):
     """The top-k reads each row up to its length: where it is the paged logits' only reader, the logits op is told
     to leave the masked columns past each row's context unwritten (``write_masked=False``); where the logits are
-    also returned, it writes every element as before. Results as before either way (the CPU reference writes NaN
-    where the columns are left unspecified, and the top-k does not read them)."""
+    also returned, or the top-k's values gathered from them (its -inf picks may lie past a row's length), it writes
+    every element as before. Results as before either way (the CPU reference writes NaN where the columns are left
+    unspecified, and the top-k does not read them)."""
     from nsa_inductor.indexer import IndexerConfig
     from nsa_inductor.layout import KCacheLayout
     from nsa_inductor.workload import decode_batch
@@ -452,6 +456,11 @@ def test_paged_logits_leave_the_masked_columns_to_an_only_top_k(also_logits):
     gm.recompile()
     assert result.matched == 1, result.near_misses
     (logits,) = [n for n in gm.graph.nodes if n.target is torch.ops.nsa.paged_mqa_logits.default]
-    assert logits.kwargs.get("write_masked", True) is also_logits
-    for a, b in zip(before if also_logits else (before,), gm(*args) if also_logits else (gm(*args),)):
+    assert logits.kwargs.get("write_masked", True) is bool(also_logits)
+    after = gm(*args)
+    if also_logits == "values":  # (the -inf picks: any -inf columns, as torch's)
+        assert torch.equal(after[1], before[1]) and torch.equal(after[0][before[1].isfinite()],
+                                                                 before[0][before[1].isfinite()])
+        return
+    for a, b in zip(before if also_logits else (before,), after if also_logits else (after,)):
         assert torch.equal(a, b)
