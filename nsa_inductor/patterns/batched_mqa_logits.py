@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import as_int, describe, insert_call, is_op, replace, reshape, size_arg, tensor_val, val
+from .fx_utils import arg, as_int, describe, insert_call, is_op, replace, reshape, size_arg, tensor_val, val
 from .mqa.probe import bmap, follow, linear, shape_of, unravel
 from .mqa.proofs import reads_fp8, relu_input
 
@@ -113,7 +113,7 @@ def _scores_operand(mul: torch.fx.Node) -> int | None:
 def _head_sum(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
     """``(head dim, mul)`` where ``node`` sums one dim (not the last) of a product holding relu(q·k)."""
     if not is_op(node, aten.sum.dim_IntList) or len(node.args) < 2 or len(node.args[1]) != 1 \
-            or node.kwargs.get("dtype") is not None or (len(node.args) > 2 and node.args[2]) or node.kwargs.get("keepdim"):
+            or node.kwargs.get("dtype") is not None or arg(node, 2, "keepdim", False):
         return None
     mul = node.args[0]
     if not is_op(mul, aten.mul.Tensor) or tensor_val(mul) is None:

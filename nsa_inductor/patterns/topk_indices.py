@@ -4,19 +4,19 @@ Matches ``torch.topk`` over the last dim of fp32 logits, either the masked idiom
 ``== -inf`` or ``!= -inf`` test, indices minus an optional per-row offset get -1 there, either cast to int32 or not;
 int32 or int64 result) or plain top-k indices (``torch.topk(x, k).indices``, ``x.topk(k)[1]``; -inf entries keep
 their columns; an int32 cast of them is the op's own dtype; values used otherwise, e.g. returned as Hugging Face's
-newest indexer does, are gathered from the logits at the op's indices: torch's values, in its order), also spelled as a descending sort cut to
-its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not ``stable=True``, whose ties come in column
-order).
+newest indexer does, are gathered from the logits at the op's indices: torch's values, in its order), also spelled
+as a descending sort cut to its first k columns (``x.argsort(dim=-1, descending=True)[:, :k]``; not
+``stable=True``, whose ties come in column order).
 Logits of another rank (one row ``[T]``; ``[B, S, T]``, as Hugging Face's DeepSeek-V3.2 indexer scores) are rows
 too: the op reads their ``[-1, T]`` view, its indices are viewed back (no offset there: one a row is a 2-D idiom).
 Rewrites to one kernel (ATen's radix top-k is ~23 launches on CUDA); when an ``nsa`` logits op wrote the logits, its
 mask bounds each row's scan (``lengths``), and where the top-k is the logits' only reader (its values unused), the
-logits op leaves the masked columns past each row's last visible key unwritten (``write_masked=False``). Order as torch:
-``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the faster set
-order.
+logits op leaves the masked columns past each row's last visible key unwritten (``write_masked=False``). Order as
+torch: ``sorted=True`` (the default) gives descending values; ``sorted=False``, or ``nsa.topk_order="set"``, the
+faster set order.
 Never (near misses): ``largest=False``, another dim, logits not fp32, a masked idiom whose ``-inf`` test is
-``> -inf`` (false for NaN too), a fill other than -1, an offset that is not one
-value per row; a sort that is ascending, stable, cut other than ``[..., :k]`` or whose values are used.
+``> -inf`` (false for NaN too), a fill other than -1, an offset that is not one value per row; a sort that is
+ascending, stable, cut other than ``[..., :k]`` or whose values are used.
 """
 
 from __future__ import annotations
