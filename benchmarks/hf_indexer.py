@@ -31,12 +31,17 @@ VARIANTS = ("eager", "inductor", "nsa_rocm")
 REWRITES = ("batched_mqa_logits", "topk_indices")
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, S, T]`` scores: q ``[B, S, H, D]`` and k ``[B, T, D]`` bf16, weights ``[B, S, H]``, mask ``[B, S, T]``."""
+def head_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[B, S, T]`` unmasked scores: q ``[B, S, H, D]`` and k ``[B, T, D]`` bf16, weights ``[B, S, H]`` (what
+    ``nsa.batched_mqa_logits`` computes; ``kernels.py --only batched`` times it in ATen)."""
     scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * HEAD_DIM**-0.5
     scores = F.relu(scores)
-    summed = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-    return summed.masked_fill(~mask, float("-inf"))
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The head scores, masked with ``mask [B, S, T]``."""
+    return head_scores(q, k, weights).masked_fill(~mask, float("-inf"))
 
 
 def indexer_topk(q, k, weights, mask, topk: int) -> torch.Tensor:

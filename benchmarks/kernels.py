@@ -174,15 +174,11 @@ def bench_ragged(args, rows: list[dict]) -> None:
     })
 
 
-def _hf_scores(q, k, weights, scale):
-    """What ``nsa.batched_mqa_logits`` replaces: Hugging Face's scoring in ATen (fp32 matmuls of upcast bf16)."""
-    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale
-    return torch.matmul(weights.unsqueeze(-2), scores.relu()).squeeze(-2)
-
-
 def bench_batched(args, rows: list[dict]) -> None:
     """``nsa.batched_mqa_logits`` (Hugging Face's indexer scores, 64 heads of 128) at decode and prefill sizes, each
     tiling's configs swept: CUDA-graph medians, a decode's K cycled through copies past the L2 (read once a call)."""
+    from hf_indexer import HEAD_DIM, head_scores  # what the op replaces: Hugging Face's scoring in ATen
+
     tk, _ = _op("batched_mqa_logits")
     cases = [(64, 1, 8192), (8, 1, 8192), (1, 1, 32768), (1, 4096, 4096)]
     decode = [tk.BatchedConfig(False, keys_in_m=km, chunk=c, block_n=n, num_warps=w, num_stages=st)
@@ -193,7 +189,7 @@ def bench_batched(args, rows: list[dict]) -> None:
                for m, n, w, st in [(64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 2),
                                    (64, 128, 4, 3), (128, 128, 4, 2)]]
     for batch, tokens, keys in cases[:2] + cases[3:] if args.quick else cases:
-        heads, dim, scale = 64, 128, 128**-0.5
+        heads, dim, scale = 64, HEAD_DIM, HEAD_DIM**-0.5
         q = torch.randn(batch, tokens, heads, dim, device=DEV).bfloat16()
         weights = torch.randn(batch, tokens, heads, device=DEV) * heads**-0.5
         k_bytes = batch * keys * dim * 2
@@ -203,7 +199,7 @@ def bench_batched(args, rows: list[dict]) -> None:
         results = {cfg: graph_us_over([lambda k=k, cfg=cfg: tk.batched_mqa_logits(q, k, weights, scale, config=cfg)
                                        for k in ks]) for cfg in configs}
         best = min(results, key=results.get)
-        torch_us = None if args.no_torch else graph_us_over([lambda k=k: _hf_scores(q, k, weights, scale) for k in ks])
+        torch_us = None if args.no_torch else graph_us_over([lambda k=k: head_scores(q, k, weights) for k in ks])
         case = f"B={batch} S={tokens} T={keys} H=64 bf16"
         if tokens == 1:
             row = _bandwidth_row("batched_mqa_logits", case, results[best], torch_us,
@@ -570,8 +566,8 @@ def main() -> None:
                         metavar="BLOCK_M,GATE_BLOCK_N,K_BLOCK_N,BLOCK_K,WARPS,STAGES,GATE_SPLITS,K_SPLITS",
                         help="wk_gate_gemm config to try besides the sweep (repeatable)")
     parser.add_argument("--only", action="append",
-                        choices=["paged", "ragged", "batched", "quant", "gather", "head_gate", "xgemm", "topk", "rotate",
-                                 "host"],
+                        choices=["paged", "ragged", "batched", "quant", "gather", "head_gate", "xgemm", "topk",
+                                 "rotate", "host"],
                         help="run only these benchmarks (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -125,6 +125,45 @@ def _head_sum(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
     return dim, mul
 
 
+def _contraction(anchor: torch.fx.Node) -> tuple:
+    """``(rows, keys, heads, their sizes (symbols kept), scores, weights, at)`` of a head contraction seen as
+    ``[rows, keys]`` outputs; ``at(r, t, h)``: the coordinates of the scores and of the weights output ``(r, t)``
+    reads for head ``h``."""
+    if is_op(anchor, *DOTS):
+        one = [] if is_op(anchor, aten.bmm.default) else [1]  # (an mm: a batch of one)
+        rows, m, n = one + shape_of(anchor)
+        scores_first = _holds_relu_of_dot(anchor.args[0])  # scores^T @ w: [R, T, H] @ [R, H, 1]
+        scores, weights = anchor.args[:2] if scores_first else anchor.args[::-1]
+        keys, single = (m, n) if scores_first else (n, m)
+        if single != 1:
+            raise NearMiss(f"{describe(anchor)} contracts the heads of relu(q·k) with {single} weight rows, "
+                           "expected one (a weighted head sum)")
+        head_axis = 2 if scores_first else 1
+        sizes, scores_sizes = one + list(val(anchor).shape), one + list(val(scores).shape)
+        symbolic = (sizes[0], sizes[1 if scores_first else 2], scores_sizes[head_axis])
+
+        def at(r, t, h):
+            zero = torch.zeros_like(r)
+            return (torch.stack([r, t, h] if scores_first else [r, h, t], 1)[:, len(one):],
+                    torch.stack([r, h, zero] if scores_first else [r, zero, h], 1)[:, len(one):])
+
+        return rows, keys, (one + shape_of(scores))[head_axis], symbolic, scores, weights, at
+    head_axis, mul = _head_sum(anchor)
+    i = _scores_operand(mul)
+    scores, weights = mul.args[i], mul.args[1 - i]
+    if not isinstance(weights, torch.fx.Node) or val(weights).dim() == 0:
+        raise NearMiss(f"the head sum {describe(anchor)} has no weights tensor")
+    symbolic = (math.prod(val(anchor).shape[:-1]), val(anchor).shape[-1], val(mul).shape[head_axis])
+
+    def at(r, t, h):
+        lead = unravel(r, shape_of(anchor)[:-1])
+        at_scores = torch.cat([lead[:, :head_axis], h[:, None], lead[:, head_axis:], t[:, None]], 1)
+        return at_scores, bmap(at_scores, shape_of(weights))
+
+    return math.prod(shape_of(anchor)[:-1]), shape_of(anchor)[-1], shape_of(mul)[head_axis], symbolic, scores, \
+        weights, at
+
+
 class BatchedMqaLogits(GraphPass):
     name = "batched_mqa_logits"
 
@@ -136,43 +175,15 @@ class BatchedMqaLogits(GraphPass):
     def rewrite(self, graph: torch.fx.Graph, anchor: torch.fx.Node, ctx: PassContext | None) -> None:
         """Sample outputs ``(r, t)`` of the anchor seen as ``[rows, keys]``, follow each head's scores to the dot and
         each dot index to q and k, and each weight to its tensor; prove the three row-major maps, then rewrite."""
-        batch_of_one = [] if is_op(anchor, aten.bmm.default) else [1]  # (an mm)
-        if is_op(anchor, *DOTS):
-            rows, m, n = batch_of_one + shape_of(anchor)
-            scores_first = _holds_relu_of_dot(anchor.args[0])  # scores^T @ w: [R, T, H] @ [R, H, 1]
-            scores_arg, weights_arg = anchor.args[:2] if scores_first else anchor.args[::-1]
-            keys, single = (m, n) if scores_first else (n, m)
-            heads = (batch_of_one + shape_of(scores_arg))[2 if scores_first else 1]
-            sizes, scores_sizes = batch_of_one + list(val(anchor).shape), batch_of_one + list(val(scores_arg).shape)
-            symbolic = (sizes[0], sizes[1 if scores_first else 2], scores_sizes[2 if scores_first else 1])
-            if single != 1:
-                raise NearMiss(f"{describe(anchor)} contracts the heads of relu(q·k) with {single} weight rows, "
-                               "expected one (a weighted head sum)")
-        else:
-            head_dim, mul = _head_sum(anchor)
-            keys, heads = shape_of(anchor)[-1], shape_of(mul)[head_dim]
-            rows = math.prod(shape_of(anchor)) // max(keys, 1)
-            i = _scores_operand(mul)
-            scores_arg, weights_arg = mul.args[i], mul.args[1 - i]
-            if not isinstance(weights_arg, torch.fx.Node) or val(weights_arg).dim() == 0:
-                raise NearMiss(f"the head sum {describe(anchor)} has no weights tensor")
+        rows, keys, heads, symbolic, scores_arg, weights_arg, at = _contraction(anchor)
         if rows * keys * heads == 0:
             raise NearMiss(f"{describe(anchor)} {shape_of(anchor)} has an empty dimension: nothing to compute")
-        if not is_op(anchor, *DOTS):
-            symbolic = (val(anchor).numel() // val(anchor).shape[-1], val(anchor).shape[-1], val(mul).shape[head_dim])
         gen = torch.Generator().manual_seed(0)
         pick = torch.randint(0, rows * keys, (SAMPLES,), generator=gen)
         pick[:2] = torch.tensor([0, rows * keys - 1])
         r, t = (pick // keys).repeat_interleave(heads), (pick % keys).repeat_interleave(heads)
         h = torch.arange(heads).repeat(SAMPLES)
-        if is_op(anchor, *DOTS):
-            zero = torch.zeros_like(r)
-            scores_at = torch.stack([r, t, h] if scores_first else [r, h, t], 1)[:, len(batch_of_one):]
-            weights_at = torch.stack([r, h, zero] if scores_first else [r, zero, h], 1)[:, len(batch_of_one):]
-        else:
-            lead = unravel(r, shape_of(anchor)[:-1])
-            scores_at = torch.cat([lead[:, :head_dim], h[:, None], lead[:, head_dim:], t[:, None]], 1)
-            weights_at = bmap(scores_at, shape_of(weights_arg))
+        scores_at, weights_at = at(r, t, h)
         found = _scores_of(scores_arg, scores_at)
         if found is None:
             raise NearMiss(f"the heads {describe(anchor)} sums are not relu(q·k) through reshapes")
