@@ -182,7 +182,8 @@ def bench_batched(args, rows: list[dict]) -> None:
     tk, _ = _op("batched_mqa_logits")
     cases = [(64, 1, 8192), (8, 1, 8192), (1, 1, 32768), (1, 4096, 4096)]
     decode = [tk.BatchedConfig(False, keys_in_m=km, chunk=c, block_n=n, num_warps=w, num_stages=st)
-              for km, c, n, w, st in [(True, 512, 128, 4, 2), (True, 1024, 128, 4, 2), (True, 2048, 128, 4, 2),
+              for km, c, n, w, st in [(True, 512, 128, 4, 2), (True, 256, 128, 4, 2), (True, 256, 64, 4, 2),
+                                      (True, 1024, 128, 4, 2), (True, 2048, 128, 4, 2),
                                       (True, 1024, 64, 4, 2), (True, 1024, 128, 8, 2), (True, 1024, 128, 4, 3),
                                       (False, 1024, 128, 4, 2), (False, 512, 64, 4, 2)]]
     prefill = [tk.BatchedConfig(True, block_m=m, block_n=n, num_warps=w, num_stages=st)
@@ -209,6 +210,20 @@ def bench_batched(args, rows: list[dict]) -> None:
             row = {"kernel": "batched_mqa_logits", "case": case, "us": results[best], "torch_us": torch_us,
                    "tflops": flops / results[best] / 1e6, "floor_us": flops / BF16_FLOPS_PER_S * 1e6}
         rows.append({**row, "config": str(best), "sweep": {str(c): t for c, t in results.items()}})
+        # Masked as Hugging Face's indexer masks: a decode's contexts of T/2 to T keys, a prefill's causal mask.
+        if tokens == 1:
+            lengths = torch.randint(keys // 2, keys + 1, (batch, 1, 1), device=DEV)
+            mask = (torch.arange(keys, device=DEV) < lengths).expand(batch, tokens, keys)
+        else:
+            mask = (torch.arange(keys, device=DEV)[None] <= torch.arange(tokens, device=DEV)[:, None]).expand(
+                batch, tokens, keys)
+        us = graph_us_over([lambda k=k: tk.batched_mqa_logits(q, k, weights, scale, None, mask) for k in ks])
+        torch_us = None if args.no_torch else graph_us_over(
+            [lambda k=k: head_scores(q, k, weights).masked_fill(~mask, float("-inf")) for k in ks])
+        kept = mask.float().mean().item()  # (the rate and floor: of the kept scores' bytes or flops alone)
+        rows.append({**{key: row[key] * kept * row["us"] / us for key in ("gbps", "tflops") if key in row},
+                     "kernel": "batched_mqa_logits", "case": f"{case}, masked ({kept:.0%} kept)", "us": us,
+                     "torch_us": torch_us, "floor_us": row["floor_us"] * kept, "config": str(tk.config_for(tokens))})
         del ks
 
 

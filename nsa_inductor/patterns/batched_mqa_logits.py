@@ -4,13 +4,16 @@ Matches (Hugging Face's DeepSeek-V3.2 indexer and its ports; q ``[B, S, H, D]``,
 
     scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale
     scores = F.relu(scores)              # or relu(scores * scale), relu(scores) * scale (scale > 0), no scale
-    logits = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)        # [B, S, T]; the mask after it stays
+    logits = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)        # [B, S, T]
+    logits = logits.masked_fill(~mask, float("-inf"))                  # optional: where(mask, logits, -inf), ...
     # or q.flatten(1, 2).float() @ k.transpose(-1, -2).float() viewed [B, S, H, T], scores^T @ w[..., None],
     # (scores * w[..., None]).sum(2), an einsum's [H, B*S, T] scores summed over dim 0, one K [T, D] for all rows:
     # the reshapes between the tensors and the matmuls are followed element by element (mqa/probe.py)
 
 Rewrites to ``nsa.batched_mqa_logits(q, k, w, scale[, scale_tensor])`` in the head contraction's place: the
-``[B, S, H, T]`` fp32 scores (and the fp32 copy of k expanded over S) are never written.
+``[B, S, H, T]`` fp32 scores (and the fp32 copy of k expanded over S) are never written. A boolean mask that is the
+logits' only use (``where(keep, logits, -inf)`` or ``where(drop, -inf, logits)``, through reshapes) becomes the op's
+``mask``: the kernels then skip the keys and tiles it drops (the same values: -inf there whatever the scores were).
 Never: q or K not bf16/fp16 upcast to fp32 (an fp32 q·k has no kernel here; an fp8 one is the MQA passes'), another
 activation than relu, a tensor factor on the scores but one 0-d scale inside the relu, heads summed otherwise than
 by a matmul with the weights or a sum of their product (one head or one key: torch's matmul is then no bmm).
@@ -24,9 +27,10 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import arg, as_int, describe, insert_call, is_op, replace, reshape, size_arg, tensor_val, val
+from .fx_utils import VIEW_OPS, arg, as_int, describe, erase_dead, insert_call, is_op, live_users, replace, reshape, size_arg, \
+    tensor_val, val
 from .mqa.probe import bmap, follow, linear, shape_of, unravel
-from .mqa.proofs import reads_fp8, relu_input
+from .mqa.proofs import WHERES, is_neg_inf, reads_fp8, relu_input
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -221,6 +225,7 @@ class BatchedMqaLogits(GraphPass):
                                reshape(graph, k, [size_b, size_t, size_d]), reshape(graph, w, [size_b, size_s, size_h]),
                                scale, scale_tensor))
             replace(graph, anchor, out)
+        _fold_mask(graph, out)
 
     @staticmethod
     def _sizes(graph: torch.fx.Graph, symbolic: tuple, dot: torch.fx.Node, k: torch.fx.Node,
@@ -233,3 +238,40 @@ class BatchedMqaLogits(GraphPass):
         sources = sources + [n for n in graph.nodes if n.op == "placeholder"]
         return [size_arg(graph, as_int(x) if as_int(x) is not None else x, sources)
                 for x in (batch, rows // batch, heads, keys, dim)]
+
+
+def _fold_mask(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
+    """``where(keep, logits, -inf)`` (or ``where(drop, -inf, logits)``, ``drop`` maybe ``~keep``) of the op's only
+    use, through reshapes, -> the op with ``mask=keep`` broadcast to ``[B, S, T]``; anything else stays as it is."""
+    logits = op
+    while len(live_users(logits)) == 1 and is_op(live_users(logits)[0], *VIEW_OPS):
+        logits = live_users(logits)[0]
+    users = live_users(logits)
+    if len(users) != 1 or not is_op(users[0], *WHERES) or len(users[0].args) != 3:
+        return
+    where = users[0]
+    cond, if_true, if_false = where.args
+    if if_true is logits and is_neg_inf(if_false):
+        keep = cond
+    elif if_false is logits and is_neg_inf(if_true):
+        keep = cond.args[0] if is_op(cond, aten.bitwise_not.default, aten.logical_not.default) \
+            and val(cond.args[0]).dtype == torch.bool else None
+    else:
+        return
+    if tensor_val(cond) is None or val(cond).dtype != torch.bool or val(where).dtype != torch.float32 \
+            or list(val(where).shape) != list(val(logits).shape):
+        return
+    with graph.inserting_before(where):
+        sources = [*op.args[:3], keep if keep is not None else cond]  # (not the logits: they would stay alive)
+        sizes = []
+        try:
+            sizes = [[size_arg(graph, s, sources) for s in val(x).shape] for x in (where, op)]
+        except NearMiss:  # (a size that is no input's, e.g. B * S: the mask stays a where)
+            erase_dead(graph, [n for n in sum(sizes, []) if isinstance(n, torch.fx.Node)])
+            return
+        keep = keep if keep is not None else insert_call(graph, aten.bitwise_not.default, (cond,))
+        if list(val(keep).shape) != list(val(where).shape):
+            keep = insert_call(graph, aten.expand.default, (keep, sizes[0]))
+        masked = insert_call(graph, torch.ops.nsa.batched_mqa_logits.default,
+                             (*op.args[:5], reshape(graph, keep, sizes[1])))
+        replace(graph, where, masked)

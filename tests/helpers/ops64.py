@@ -187,7 +187,7 @@ def small_inputs() -> dict[str, tuple]:
     return {
         "batched_mqa_logits": (torch.randn(2, 3, 4, 64, generator=gen).bfloat16(),
                                torch.randn(2, 5, 64, generator=gen).bfloat16(), torch.randn(2, 3, 4, generator=gen),
-                               0.125),
+                               0.125, None, torch.rand(2, 3, 5, generator=gen) < 0.5),
         "quant_cache_store": (torch.randn(6, 128).bfloat16(), cache, torch.tensor([0, 3, -1, 17, 40, 63]), 16, True,
                               "ue8m0", FN),
         "gather_k": (cache, block_table, cu, 16, True, 24, FN),

@@ -52,10 +52,13 @@ def indexer_logits64(q_fp8, weights, keys, key_scales, visible) -> torch.Tensor:
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def batched_logits64(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """``nsa.batched_mqa_logits`` in float64: ``sum_h w * relu(scale * q.k)``, q ``[B, S, H, D]``, k ``[B, T, D]``."""
+def batched_logits64(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``nsa.batched_mqa_logits`` in float64: ``sum_h w * relu(scale * q.k)``, q ``[B, S, H, D]``, k ``[B, T, D]``,
+    -inf where the bool ``mask`` is False."""
     scores = torch.einsum("bshd,btd->bsht", q.double(), k.double()) * scale  # (on their device: a GPU is faster)
-    return (scores.relu() * weights.double()[..., None]).sum(2).cpu()
+    logits = (scores.relu() * weights.double()[..., None]).sum(2)
+    return (logits if mask is None else logits.masked_fill(~mask, float("-inf"))).cpu()
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-3) -> None:

@@ -109,9 +109,10 @@ def _calls(fp8: torch.dtype, preshuffle: bool):
                   {}))
     calls.append(("gather_k_slots", (cache, torch.arange(tokens), page, preshuffle, fp8), {}))
     for batch, rows, keys, scale in ((64, 1, 8192, None), (8, 2, 8192, torch.tensor(0.1)), (1, 4096, 4096, None)):
-        calls.append(("batched_mqa_logits", (torch.zeros(batch, rows, 64, 128, dtype=torch.bfloat16),
-                                             torch.zeros(batch, keys, 128, dtype=torch.bfloat16),
-                                             torch.zeros(batch, rows, 64), 128**-0.5, scale), {}))
+        for mask in (None, torch.ones(batch, 1, keys, dtype=torch.bool).expand(batch, rows, keys)):
+            calls.append(("batched_mqa_logits", (torch.zeros(batch, rows, 64, 128, dtype=torch.bfloat16),
+                                                 torch.zeros(batch, keys, 128, dtype=torch.bfloat16),
+                                                 torch.zeros(batch, rows, 64), 128**-0.5, scale, mask), {}))
     for rows in (1, 64, 4096):
         x = torch.zeros(rows, 7168, dtype=torch.bfloat16)
         gate = torch.zeros(64, 7168)

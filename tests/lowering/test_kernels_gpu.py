@@ -173,7 +173,7 @@ def test_mqa_logits_causal_prefill(heads):
     (2, 1, 64, 0, 128, torch.bfloat16)])
 def test_batched_mqa_logits_matches_float64_and_eager(batch, tokens, heads, keys, dim, dtype):
     """Both tilings (decode and prefill row counts), odd sizes, a head dim past the kernel's (the reference runs),
-    empty batches; against float64 and against eager's fp32 matmuls on this GPU."""
+    empty batches, with and without masks; against float64 and against eager's fp32 matmuls on this GPU."""
     gen = torch.Generator().manual_seed(7)
     args = [t.to(DEV) for t in (torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype),
                                 torch.randn(batch, keys, dim, generator=gen).to(dtype),
@@ -188,6 +188,15 @@ def test_batched_mqa_logits_matches_float64_and_eager(batch, tokens, heads, keys
     tk = _tk("batched_mqa_logits")
     for config in (tk.BatchedConfig(False, keys_in_m=False), tk.BatchedConfig(tokens < tk.ROWS_IN_M_FROM)):
         assert_logits_close(tk.batched_mqa_logits(*args, dim**-0.5, config=config), eager, rtol=1e-5)
+    lengths = torch.randint(0, keys + 1, (batch, 1, 1), generator=gen)
+    visible = torch.arange(keys)[None, None] < lengths + torch.arange(tokens)[None, :, None] - tokens + 1
+    for mask in (visible, torch.rand(batch, tokens, keys, generator=gen) < 0.3, visible[:, :1].expand_as(visible)):
+        mask = mask.to(DEV)  # causal with a random context length, scattered, one mask for all rows (stride 0)
+        want = eager.masked_fill(~mask, float("-inf"))
+        assert_logits_close(torch.ops.nsa.batched_mqa_logits(*args, dim**-0.5, None, mask), want, rtol=1e-5)
+        for config in (tk.BatchedConfig(False, keys_in_m=False), tk.BatchedConfig(tokens < tk.ROWS_IN_M_FROM)):
+            got = tk.batched_mqa_logits(*args, dim**-0.5, None, mask, config=config)
+            assert_logits_close(got, want, rtol=1e-5)
 
 
 def test_fnuz_ops_on_this_gpu():

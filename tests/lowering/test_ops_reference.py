@@ -306,6 +306,9 @@ def test_batched_mqa_logits_matches_float64(batch, tokens, heads, keys, dim, dty
     assert_logits_close(got, batched_logits64(q, k, weights, 0.125), rtol=1e-6)
     scaled = torch.ops.nsa.batched_mqa_logits(q, k, weights, 1.0, torch.tensor(0.125))
     assert_logits_close(scaled, batched_logits64(q, k, weights, 0.125), rtol=1e-6)
+    mask = torch.rand(batch, 1, keys, generator=gen).expand(batch, tokens, keys) < 0.5  # (a broadcast mask)
+    masked = torch.ops.nsa.batched_mqa_logits(q, k, weights, 0.125, None, mask)
+    assert_logits_close(masked, batched_logits64(q, k, weights, 0.125, mask), rtol=1e-6)
 
 
 def test_mqa_logits_causal_prefill():
@@ -581,6 +584,8 @@ def _replace(args: tuple, index: int, value) -> tuple:
         ("batched_mqa_logits", 3, float("inf"), r"scale must be finite, got inf"),
         ("batched_mqa_logits", 4, torch.tensor([0.5]),
          r"scale_tensor must be float32 \[\] \(one value\), got float32 \[1\]"),
+        ("batched_mqa_logits", 5, torch.ones(2, 3, 6), r"mask must be bool \[B=2, S=3, T=5\] \(any strides: a "
+                                                      r"broadcast mask expanded\), got float32 \[2, 3, 6\]"),
     ],
 )
 def test_validation_errors_name_the_tensor(name, index, value, message):

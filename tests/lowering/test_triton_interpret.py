@@ -406,7 +406,8 @@ def test_mqa_logits_matches_float64(block_m, block_n):
     (2, 1, 4, 37, 64, torch.bfloat16), (1, 3, 3, 5, 32, torch.float16), (3, 2, 16, 20, 16, torch.bfloat16),
     (1, 17, 2, 1, 16, torch.float16), (2, 20, 3, 7, 48, torch.bfloat16)])
 def test_batched_mqa_logits_matches_float64(rows_in_m, keys_in_m, batch, tokens, heads, keys, dim, dtype):
-    """Both tilings at tile edges (rows, keys, heads, head dims not powers of two; chunks of 32 keys over 37)."""
+    """Both tilings at tile edges (rows, keys, heads, head dims not powers of two; chunks of 32 keys over 37), with and
+    without masks (a causal one: tiles dropped whole)."""
     tk = _kernels("batched_mqa_logits")
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype)
@@ -417,6 +418,10 @@ def test_batched_mqa_logits_matches_float64(rows_in_m, keys_in_m, batch, tokens,
     assert_logits_close(got, batched_logits64(q, k, weights, 0.3), rtol=1e-6)
     got = tk.batched_mqa_logits(q, k, weights, 1.0, torch.tensor(0.3), config=config)  # a 0-d tensor scale
     assert_logits_close(got, batched_logits64(q, k, weights, 0.3), rtol=1e-6)
+    causal = torch.arange(keys)[None, None] <= torch.arange(tokens)[None, :, None] + keys - tokens
+    for mask in (causal.expand(batch, tokens, keys), torch.rand(batch, tokens, keys, generator=gen) < 0.2):
+        got = tk.batched_mqa_logits(q, k, weights, 0.3, None, mask, config=config)  # (tiles kept whole, in part, not)
+        assert_logits_close(got, batched_logits64(q, k, weights, 0.3, mask), rtol=1e-6)
 
 
 @child_only

@@ -300,3 +300,116 @@ def test_compiled_indexer_returning_its_scores():
     assert torch.equal(got_values.isfinite(), finite)
     assert torch.allclose(got_values[finite], want_values[finite], rtol=1e-5, atol=1e-6)
     assert bool((got_values[..., :-1] >= got_values[..., 1:]).all())
+
+
+def masked_fill_kept(q, k, w, mask):  # Hugging Face's spelling
+    return hf(q, k, w).masked_fill(~mask, float("-inf"))
+
+
+def where_kept(q, k, w, mask):
+    return torch.where(mask, hf(q, k, w), float("-inf"))
+
+
+def masked_fill_dropped(q, k, w, mask):  # the mask marks what is dropped: the op gets its negation
+    return hf(q, k, w).masked_fill(mask, float("-inf"))
+
+
+def logical_not_kept(q, k, w, mask):
+    return hf(q, k, w).masked_fill(torch.logical_not(mask), float("-inf"))
+
+
+def masked_before_the_squeeze(q, k, w, mask):  # the mask on [B, S, 1, T], squeezed after
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    logits = torch.matmul(w.unsqueeze(-2), scores)
+    return logits.masked_fill(~mask.unsqueeze(-2), float("-inf")).squeeze(-2)
+
+
+def masks(batch, tokens, keys, seed=0):
+    """Masks as indexers hold them: ``[B, S, T]`` (random), ``[B, 1, T]`` (a context length an entry), ``[S, T]``
+    (causal, the last row seeing every key), ``[T]``."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, keys + 1, (batch, 1, 1), generator=gen)
+    return {"full": torch.rand(batch, tokens, keys, generator=gen) < 0.6,
+            "entry": torch.arange(keys)[None, None] < lengths,
+            "causal": torch.arange(keys)[None] <= torch.arange(tokens)[:, None] + keys - tokens,
+            "keys": torch.rand(keys, generator=gen) < 0.5}
+
+
+def folded(gm) -> list:
+    """The masks of the graph's nsa.batched_mqa_logits calls, and whether a where is left."""
+    nodes = list(gm.graph.nodes)
+    wheres = sum(n.target is torch.ops.aten.where.self for n in nodes)
+    return [n.args[5] if len(n.args) > 5 else None for n in nodes
+            if n.target is torch.ops.nsa.batched_mqa_logits.default], wheres
+
+
+@pytest.mark.parametrize("fn", [masked_fill_kept, where_kept, masked_fill_dropped, logical_not_kept,
+                                masked_before_the_squeeze])
+@pytest.mark.parametrize("mask_kind", ["full", "entry", "causal", "keys"])
+@pytest.mark.parametrize("batch, tokens, keys", [(2, 3, 16), (1, 1, 7)])
+def test_the_mask_becomes_the_ops(fn, mask_kind, batch, tokens, keys):
+    """The mask folds into the op (no where left) in every spelling and broadcast shape; -inf exactly where eager
+    has it, the rest eager's logits."""
+    q, k, w = inputs(batch, tokens, 4, keys)
+    mask = masks(batch, tokens, keys)[mask_kind]
+    gm = pass_helpers.functional_graph(fn, q, k, w, mask)
+    before = gm(q, k, w, mask)
+    result = BatchedMqaLogits()(gm.graph, None)
+    gm.graph.lint()
+    gm.recompile()
+    (op_mask,), wheres = folded(gm)
+    assert (result.matched, wheres) == (1, 0) and op_mask is not None
+    assert_logits_close(gm(q, k, w, mask), before, rtol=1e-6)
+
+
+def filled_with_a_number(q, k, w, mask):
+    return hf(q, k, w).masked_fill(~mask, -1e9)
+
+
+def filled_with_zero(q, k, w, mask):
+    return torch.where(mask, hf(q, k, w), 0.0)
+
+
+def unmasked_scores_returned_too(q, k, w, mask):
+    logits = hf(q, k, w)
+    return logits.masked_fill(~mask, float("-inf")), logits
+
+
+def masked_transposed(q, k, w, mask):  # a permute between the logits and the mask: not folded (it could be)
+    return hf(q, k, w).transpose(0, 1).masked_fill(~mask.transpose(0, 1), float("-inf"))
+
+
+def additive_mask(q, k, w, mask):
+    return hf(q, k, w) + torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+
+
+@pytest.mark.parametrize("fn", [filled_with_a_number, filled_with_zero, unmasked_scores_returned_too,
+                                masked_transposed, additive_mask])
+def test_other_masks_stay_in_the_graph(fn):
+    """A fill other than -inf, scores also used unmasked, a mask over other than reshapes of the logits, an additive
+    mask: the op fires without a mask and the graph keeps the rest, eager's values."""
+    q, k, w = inputs(2, 3, 4, 16)
+    mask = masks(2, 3, 16)["full"]
+    gm = pass_helpers.functional_graph(fn, q, k, w, mask)
+    before = gm(q, k, w, mask)
+    result = BatchedMqaLogits()(gm.graph, None)
+    gm.graph.lint()
+    gm.recompile()
+    (op_mask,), _ = folded(gm)
+    assert result.matched == 1 and op_mask is None
+    for got, want in zip(*(x if isinstance(x, (tuple, list)) else [x] for x in (gm(q, k, w, mask), before))):
+        assert_logits_close(got, want, rtol=1e-6)
+
+
+def test_the_mask_folds_in_a_dynamic_compile():
+    """Symbolic B, S and T: the broadcast mask is expanded by the graph's sizes; compiled equals eager."""
+    torch._dynamo.reset()
+    compiled, dump_dir = pass_helpers.compile_with_dumps(masked_fill_kept, dynamic=True)
+    for batch, tokens, keys in [(2, 3, 16), (3, 2, 24)]:
+        q, k, w = inputs(batch, tokens, 4, keys)
+        mask = masks(batch, tokens, keys)["entry"]
+        assert_logits_close(compiled(q, k, w, mask), masked_fill_kept(q, k, w, mask), rtol=1e-6)
+    graph = pass_helpers.graph_dirs(dump_dir)[-1]
+    _, after = pass_helpers.pass_graphs(graph, "batched_mqa_logits")
+    assert pass_helpers.count_ops(after, "aten.where") == 0 and "sym_size" in after
+    assert pass_helpers.count_ops(after, "nsa.batched_mqa_logits") == 1

@@ -1,6 +1,8 @@
 """``nsa.batched_mqa_logits``: indexer logits over plain bf16/fp16 q and K, one K per batch entry (no fp8, no cache),
 as Hugging Face's DeepSeek-V3.2 indexer scores them: ``relu(q.float() @ k.float()^T * scale)`` summed over heads
-with fp32 weights. The scores tensor ``[B, S, H, T]`` eager and Inductor write and read back is never formed.
+with fp32 weights. The scores tensor ``[B, S, H, T]`` eager and Inductor write and read back is never formed, and
+with the indexer's boolean mask (``masked_fill(~mask, -inf)`` after the scores) neither are the masked ones: keys no
+row of a tile keeps are not read, tiles nobody keeps not computed.
 
 ``out[b, s, t] = sum_h w[b, s, h] * relu((q[b, s, h] . k[b, t]) * scale)`` in fp32 (the products of bf16/fp16
 values are exact in fp32; only the order of the sums differs from a GEMM's). aiter has no kernel for it: Triton on
@@ -19,7 +21,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 @once_per_signature
-def _validate(q, k, weights, scale, scale_tensor) -> None:
+def _validate(q, k, weights, scale, scale_tensor, mask) -> None:
     check("q", q, (None, None, None, None), DTYPES, "[B, S, H, D]")
     batch, tokens, heads, dim = q.shape
     check("k", k, (batch, None, dim), (q.dtype,), f"[B={batch}, T, D={dim}] (same dtype as q)")
@@ -28,22 +30,26 @@ def _validate(q, k, weights, scale, scale_tensor) -> None:
         raise ValueError(f"scale must be finite, got {scale}")
     if scale_tensor is not None:
         check("scale_tensor", scale_tensor, (), (torch.float32,), "[] (one value)")
-    check_devices(q=q, k=k, weights=weights, **({} if scale_tensor is None else {"scale_tensor": scale_tensor}))
+    if mask is not None:
+        check("mask", mask, (batch, tokens, k.shape[1]), (torch.bool,),
+              f"[B={batch}, S={tokens}, T={k.shape[1]}] (any strides: a broadcast mask expanded)")
+    optional = {name: t for name, t in (("scale_tensor", scale_tensor), ("mask", mask)) if t is not None}
+    check_devices(q=q, k=k, weights=weights, **optional)
 
 
 @nsa_op("batched_mqa_logits")
 def batched_mqa_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float,
-                       scale_tensor: torch.Tensor | None = None) -> torch.Tensor:
+                       scale_tensor: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[B, S, T]`` fp32 of q ``[B, S, H, D]`` against k ``[B, T, D]`` (bf16 or fp16, the same),
-    weights ``[B, S, H]`` fp32: ``sum_h weights * relu(q.k * scale)``, every element written (no mask).
+    weights ``[B, S, H]`` fp32: ``sum_h weights * relu(q.k * scale)``, every element written.
     ``scale_tensor``: a 0-d fp32 tensor multiplying ``q.k * scale`` too (a scale that is a graph input, as Dynamo
-    passes an unspecialised float)."""
-    _validate(q, k, weights, scale, scale_tensor)
+    passes an unspecialised float). ``mask``: bool ``[B, S, T]`` (any strides), -inf where it is False."""
+    _validate(q, k, weights, scale, scale_tensor, mask)
     q, k, weights = (t.contiguous() for t in (q, k, weights))
-    return triton_or_reference("batched_mqa_logits", q.device)(q, k, weights, scale, scale_tensor)
+    return triton_or_reference("batched_mqa_logits", q.device)(q, k, weights, scale, scale_tensor, mask)
 
 
 @batched_mqa_logits.register_fake
-def _(q, k, weights, scale, scale_tensor=None):
-    _validate(q, k, weights, scale, scale_tensor)
+def _(q, k, weights, scale, scale_tensor=None, mask=None):
+    _validate(q, k, weights, scale, scale_tensor, mask)
     return q.new_empty((q.shape[0], q.shape[1], k.shape[1]), dtype=torch.float32)

@@ -5,6 +5,8 @@ its M, so that the head sum runs along each thread's row of the tile; or the hea
 of the tile; a program walks a chunk of keys with q in registers.
 Many rows (prefill): a tile's M is 64 rows of one head, the heads a loop that accumulates ``relu(dot) * w`` in
 place, as ``nsa.mqa_logits`` does.
+With a mask, both read only the keys (and rows) a tile keeps somewhere: masked loads issue no memory reads, and a
+prefill tile the mask drops whole (a causal mask's upper half) runs no head.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ def config_for(tokens: int) -> BatchedConfig:
 
 
 @triton.jit
-def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, out_ptr, tokens, keys, heads, scale,
-                       ROWS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SCALE_TENSOR: tl.constexpr,
-                       KEYS_IN_M: tl.constexpr, PDL: tl.constexpr = False):
+def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens, keys, heads, scale,
+                       mask_sb, mask_ss, mask_st, ROWS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SCALE_TENSOR: tl.constexpr,
+                       HAS_MASK: tl.constexpr, KEYS_IN_M: tl.constexpr, PDL: tl.constexpr = False):
     """Rows ``s0 .. s0 + ROWS`` of batch entry b against keys ``[c * CHUNK, (c + 1) * CHUNK)``; ``KEYS_IN_M``: the
     keys are the dot's M (the head sum then runs along each thread's row of the tile), else the heads are."""
     wait_for_previous_grid(PDL)
@@ -66,23 +68,36 @@ def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, out_ptr, tokens, keys, he
     w = tl.load(w_ptr + rh, mask=rh_ok, other=0.0)
     scale_by = tl.load(scale_ptr) if SCALE_TENSOR else 1.0
     k_base = k_ptr + b * keys * D
+    if HAS_MASK:
+        mask_rows = mask_ptr + b * mask_sb + s.to(tl.int64) * mask_ss
     for n0 in tl.range(tl.program_id(0) * CHUNK, tl.minimum((tl.program_id(0) + 1) * CHUNK, keys), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=(n < keys)[:, None] & d_ok[None, :], other=0.0)
+        in_keys = n < keys
+        read = in_keys
+        if HAS_MASK:  # keep [N, ROWS]: the scores the mask keeps; a key no row keeps is not read
+            keep = tl.load(mask_rows[None, :] + n[:, None] * mask_st, mask=in_keys[:, None] & row_ok[None, :],
+                           other=0) != 0
+            read = in_keys & (tl.max(keep.to(tl.int32), axis=1) > 0)
+        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=read[:, None] & d_ok[None, :], other=0.0)
         if KEYS_IN_M:
             scores = tl.maximum(dot_upcast(k, tl.trans(q)) * scale * scale_by, 0.0)  # relu(k.q * scale), [N, ROWS*HP]
             logits = tl.sum(tl.reshape(scores, [BLOCK_N, ROWS, HP]) * w[None, :, :], axis=2)
-            tl.store(out_ptr + rows[None, :] * keys + n[:, None], logits, mask=row_ok[None, :] & (n < keys)[:, None])
+            if HAS_MASK:
+                logits = tl.where(keep, logits, float("-inf"))
+            tl.store(out_ptr + rows[None, :] * keys + n[:, None], logits, mask=row_ok[None, :] & in_keys[:, None])
         else:
             scores = tl.maximum(dot_upcast(q, tl.trans(k)) * scale * scale_by, 0.0)  # relu(q.k * scale), [ROWS*HP, N]
             logits = tl.sum(tl.reshape(scores, [ROWS, HP, BLOCK_N]) * w[:, :, None], axis=1)
-            tl.store(out_ptr + rows[:, None] * keys + n[None, :], logits, mask=row_ok[:, None] & (n < keys)[None, :])
+            if HAS_MASK:
+                logits = tl.where(tl.trans(keep), logits, float("-inf"))
+            tl.store(out_ptr + rows[:, None] * keys + n[None, :], logits, mask=row_ok[:, None] & in_keys[None, :])
 
 
 @triton.jit
-def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, out_ptr, tokens, keys, heads, scale,
-                      BLOCK_M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SCALE_TENSOR: tl.constexpr, PDL: tl.constexpr = False):
+def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens, keys, heads, scale,
+                      mask_sb, mask_ss, mask_st, BLOCK_M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SCALE_TENSOR: tl.constexpr, HAS_MASK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Rows ``s0 .. s0 + BLOCK_M`` of batch entry b against one block of keys, the heads in a loop."""
     wait_for_previous_grid(PDL)
     b = tl.program_id(2).to(tl.int64)
@@ -91,42 +106,53 @@ def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, out_ptr, tokens, keys, hea
     d = tl.arange(0, DP)
     d_ok = d < D
     row_ok = s < tokens
-    key_ok = n < keys
+    in_keys = n < keys
     rows = b * tokens + s
-    k = tl.load(k_ptr + (b * keys + n[:, None]) * D + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    read_rows, read_keys, head_end = row_ok, in_keys, heads
+    if HAS_MASK:  # rows and keys the mask keeps nowhere in the tile are not read; a tile it drops whole not computed
+        keep = tl.load(mask_ptr + b * mask_sb + s.to(tl.int64)[:, None] * mask_ss + n[None, :] * mask_st,
+                       mask=row_ok[:, None] & in_keys[None, :], other=0).to(tl.int32)
+        read_rows = row_ok & (tl.max(keep, axis=1) > 0)
+        read_keys = in_keys & (tl.max(keep, axis=0) > 0)
+        head_end = tl.where(tl.max(tl.max(keep, axis=1), axis=0) > 0, heads, 0)
+    k = tl.load(k_ptr + (b * keys + n[:, None]) * D + d[None, :], mask=read_keys[:, None] & d_ok[None, :], other=0.0)
     k_t = tl.trans(k)
     scale_by = tl.load(scale_ptr) if SCALE_TENSOR else 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for h in tl.range(0, heads):
-        q = tl.load(q_ptr + (rows[:, None] * heads + h) * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+    for h in tl.range(0, head_end):
+        q = tl.load(q_ptr + (rows[:, None] * heads + h) * D + d[None, :], mask=read_rows[:, None] & d_ok[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + rows * heads + h, mask=row_ok, other=0.0)
+        w = tl.load(w_ptr + rows * heads + h, mask=read_rows, other=0.0)
         acc += tl.maximum(dot_upcast(q, k_t) * scale * scale_by, 0.0) * w[:, None]
-    tl.store(out_ptr + rows[:, None] * keys + n[None, :], acc, mask=row_ok[:, None] & key_ok[None, :])
+    if HAS_MASK:
+        acc = tl.where(keep != 0, acc, float("-inf"))
+    tl.store(out_ptr + rows[:, None] * keys + n[None, :], acc, mask=row_ok[:, None] & in_keys[None, :])
 
 
-def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, config: BatchedConfig | None = None
+def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, mask=None, config: BatchedConfig | None = None
                        ) -> torch.Tensor:
     batch, tokens, heads, dim = q.shape
     keys = k.shape[1]
     if dim > MAX_DIM:
-        return reference.batched_mqa_logits(q, k, weights, scale, scale_tensor)
+        return reference.batched_mqa_logits(q, k, weights, scale, scale_tensor, mask)
     out = torch.empty(batch, tokens, keys, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     if heads == 0:
-        return out.zero_()
+        return out.zero_() if mask is None else out.zero_().masked_fill_(~mask, float("-inf"))
     cfg = config or config_for(tokens)
-    common = dict(SCALE_TENSOR=scale_tensor is not None, D=dim, DP=max(16, next_power_of_2(dim)), BLOCK_N=cfg.block_n,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    mask_args = (None, 0, 0, 0) if mask is None else (mask.view(torch.uint8), *mask.stride())
+    args = (q, k, weights, scale_tensor, mask_args[0], out, tokens, keys, heads, scale, *mask_args[1:])
+    common = dict(SCALE_TENSOR=scale_tensor is not None, HAS_MASK=mask is not None, D=dim,
+                  DP=max(16, next_power_of_2(dim)), BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     if cfg.rows_in_m:
-        launch(_rows_in_m_kernel, (cdiv(keys, cfg.block_n), cdiv(tokens, cfg.block_m), batch),
-               q, k, weights, scale_tensor, out, tokens, keys, heads, scale, BLOCK_M=cfg.block_m, **common)
+        launch(_rows_in_m_kernel, (cdiv(keys, cfg.block_n), cdiv(tokens, cfg.block_m), batch), *args,
+               BLOCK_M=cfg.block_m, **common)
     else:
         hp = next_power_of_2(heads)
         rows = min(next_power_of_2(tokens), max(1, 128 // hp)) if hp < 128 else 1
         rows = max(rows, cdiv(16, hp))  # (a dot's M is at least 16)
-        launch(_heads_in_m_kernel, (cdiv(keys, cfg.chunk), cdiv(tokens, rows), batch),
-               q, k, weights, scale_tensor, out, tokens, keys, heads, scale, ROWS=rows, HP=hp, CHUNK=cfg.chunk,
-               KEYS_IN_M=cfg.keys_in_m, **common)
+        launch(_heads_in_m_kernel, (cdiv(keys, cfg.chunk), cdiv(tokens, rows), batch), *args, ROWS=rows, HP=hp,
+               CHUNK=cfg.chunk, KEYS_IN_M=cfg.keys_in_m, **common)
     return out
