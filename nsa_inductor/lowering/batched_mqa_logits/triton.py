@@ -39,10 +39,13 @@ MAX_DIM = 256  # larger head dims (a tile of q and one of k no longer fit in reg
 ROWS_IN_M_FROM = 16  # query rows a batch entry from which the prefill tiling serves
 
 
-def config_for(tokens: int) -> BatchedConfig:
-    """The prefill tiling from ``ROWS_IN_M_FROM`` rows, else the decode one with chunks of 512 keys (as fast as 3
-    stages at 1024 in the sweep in BENCHMARKS.md, and within gfx942's 64 KB of shared memory, which 3 stages pass)."""
-    return BatchedConfig(rows_in_m=True) if tokens >= ROWS_IN_M_FROM else BatchedConfig(rows_in_m=False, chunk=512)
+def config_for(batch: int, tokens: int, keys: int) -> BatchedConfig:
+    """The prefill tiling from ``ROWS_IN_M_FROM`` rows, else the decode one: chunks of 512 keys where they make at
+    least 1024 programs (B=64 ctx 8192), else of 256 (B=1..8: more programs; the sweep in BENCHMARKS.md). Two stages:
+    three exceed gfx942's 64 KB of shared memory."""
+    if tokens >= ROWS_IN_M_FROM:
+        return BatchedConfig(rows_in_m=True)
+    return BatchedConfig(rows_in_m=False, chunk=512 if batch * tokens * cdiv(keys, 512) >= 1024 else 256)
 
 
 @triton.jit
@@ -68,17 +71,24 @@ def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens
     w = tl.load(w_ptr + rh, mask=rh_ok, other=0.0)
     scale_by = tl.load(scale_ptr) if SCALE_TENSOR else 1.0
     k_base = k_ptr + b * keys * D
+    start = tl.program_id(0) * CHUNK
+    end = tl.minimum(start + CHUNK, keys)
+    first, last = start, end - 1  # the chunk's keys from the first to the last any row keeps: the ones read
     if HAS_MASK:
         mask_rows = mask_ptr + b * mask_sb + s.to(tl.int64) * mask_ss
-    for n0 in tl.range(tl.program_id(0) * CHUNK, tl.minimum((tl.program_id(0) + 1) * CHUNK, keys), BLOCK_N):
+        c = start + tl.arange(0, CHUNK)
+        kept = tl.max(tl.load(mask_rows[None, :] + c[:, None] * mask_st, mask=(c < end)[:, None] & row_ok[None, :],
+                              other=0).to(tl.int32), axis=1) > 0
+        first = tl.min(tl.where(kept, c, end))
+        last = tl.max(tl.where(kept, c, -1))
+    for n0 in tl.range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         in_keys = n < keys
-        read = in_keys
-        if HAS_MASK:  # keep [N, ROWS]: the scores the mask keeps; a key no row keeps is not read
+        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=((n >= first) & (n <= last))[:, None] & d_ok[None, :],
+                    other=0.0)
+        if HAS_MASK:  # keep [N, ROWS]: the scores the mask keeps
             keep = tl.load(mask_rows[None, :] + n[:, None] * mask_st, mask=in_keys[:, None] & row_ok[None, :],
                            other=0) != 0
-            read = in_keys & (tl.max(keep.to(tl.int32), axis=1) > 0)
-        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=read[:, None] & d_ok[None, :], other=0.0)
         if KEYS_IN_M:
             scores = tl.maximum(dot_upcast(k, tl.trans(q)) * scale * scale_by, 0.0)  # relu(k.q * scale), [N, ROWS*HP]
             logits = tl.sum(tl.reshape(scores, [BLOCK_N, ROWS, HP]) * w[None, :, :], axis=2)
@@ -110,8 +120,9 @@ def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens,
     rows = b * tokens + s
     read_rows, read_keys, head_end = row_ok, in_keys, heads
     if HAS_MASK:  # rows and keys the mask keeps nowhere in the tile are not read; a tile it drops whole not computed
-        keep = tl.load(mask_ptr + b * mask_sb + s.to(tl.int64)[:, None] * mask_ss + n[None, :] * mask_st,
-                       mask=row_ok[:, None] & in_keys[None, :], other=0).to(tl.int32)
+        mask_rows = mask_ptr + b * mask_sb + s.to(tl.int64) * mask_ss
+        keep = tl.load(mask_rows[:, None] + n[None, :] * mask_st, mask=row_ok[:, None] & in_keys[None, :],
+                       other=0).to(tl.int32)
         read_rows = row_ok & (tl.max(keep, axis=1) > 0)
         read_keys = in_keys & (tl.max(keep, axis=0) > 0)
         head_end = tl.where(tl.max(tl.max(keep, axis=1), axis=0) > 0, heads, 0)
@@ -124,7 +135,10 @@ def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens,
                     other=0.0)
         w = tl.load(w_ptr + rows * heads + h, mask=read_rows, other=0.0)
         acc += tl.maximum(dot_upcast(q, k_t) * scale * scale_by, 0.0) * w[:, None]
-    if HAS_MASK:
+    if HAS_MASK:  # (loaded again, its addresses built again: held across the loop they would spill)
+        mask_keys = mask_ptr + b * mask_sb + n * mask_st
+        keep = tl.load(mask_keys[None, :] + s.to(tl.int64)[:, None] * mask_ss,
+                       mask=read_rows[:, None] & read_keys[None, :], other=0)
         acc = tl.where(keep != 0, acc, float("-inf"))
     tl.store(out_ptr + rows[:, None] * keys + n[None, :], acc, mask=row_ok[:, None] & in_keys[None, :])
 
@@ -140,7 +154,7 @@ def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, mask=None, confi
         return out
     if heads == 0:
         return out.zero_() if mask is None else out.zero_().masked_fill_(~mask, float("-inf"))
-    cfg = config or config_for(tokens)
+    cfg = config or config_for(batch, tokens, keys)
     mask_args = (None, 0, 0, 0) if mask is None else (mask.view(torch.uint8), *mask.stride())
     args = (q, k, weights, scale_tensor, mask_args[0], out, tokens, keys, heads, scale, *mask_args[1:])
     common = dict(SCALE_TENSOR=scale_tensor is not None, HAS_MASK=mask is not None, D=dim,
