@@ -223,7 +223,8 @@ def bench_batched(args, rows: list[dict]) -> None:
         kept = mask.float().mean().item()  # (the rate and floor: of the kept scores' bytes or flops alone)
         rows.append({**{key: row[key] * kept * row["us"] / us for key in ("gbps", "tflops") if key in row},
                      "kernel": "batched_mqa_logits", "case": f"{case}, masked ({kept:.0%} kept)", "us": us,
-                     "torch_us": torch_us, "floor_us": row["floor_us"] * kept, "config": str(tk.config_for(batch, tokens, keys))})
+                     "torch_us": torch_us, "floor_us": row["floor_us"] * kept,
+                     "config": str(tk.config_for(batch, tokens, keys))})
         del ks
 
 

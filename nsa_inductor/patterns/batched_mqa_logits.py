@@ -27,8 +27,8 @@ import torch
 import torch.fx
 
 from .base import GraphPass, NearMiss, PassContext
-from .fx_utils import VIEW_OPS, arg, as_int, describe, erase_dead, insert_call, is_op, live_users, replace, reshape, size_arg, \
-    tensor_val, val
+from .fx_utils import VIEW_OPS, arg, as_int, describe, erase_dead, insert_call, is_op, live_users, replace, \
+    reshape, size_arg, tensor_val, val
 from .mqa.probe import bmap, follow, linear, shape_of, unravel
 from .mqa.proofs import WHERES, is_neg_inf, reads_fp8, relu_input
 
