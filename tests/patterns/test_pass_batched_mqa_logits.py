@@ -324,6 +324,12 @@ def masked_before_the_squeeze(q, k, w, mask):  # the mask on [B, S, 1, T], squee
     return logits.masked_fill(~mask.unsqueeze(-2), float("-inf")).squeeze(-2)
 
 
+def causal_in_the_graph(q, k, w, unused):  # the causal mask computed in the graph
+    tokens, keys = q.shape[1], k.shape[1]
+    causal = torch.arange(keys)[None] <= torch.arange(tokens)[:, None] + keys - tokens
+    return hf(q, k, w).masked_fill(~causal, float("-inf"))
+
+
 def masks(batch, tokens, keys, seed=0):
     """Masks as indexers hold them: ``[B, S, T]`` (random), ``[B, 1, T]`` (a context length an entry), ``[S, T]``
     (causal, the last row seeing every key), ``[T]``."""
@@ -335,12 +341,17 @@ def masks(batch, tokens, keys, seed=0):
             "keys": torch.rand(keys, generator=gen) < 0.5}
 
 
-def folded(gm) -> list:
-    """The masks of the graph's nsa.batched_mqa_logits calls, and whether a where is left."""
+def masked_pass(fn, *args):
+    """``(result, eager's output, the rewritten graph's, the masks of its nsa.batched_mqa_logits calls, wheres)``."""
+    gm = pass_helpers.functional_graph(fn, *args)
+    before = gm(*args)
+    result = BatchedMqaLogits()(gm.graph, None)
+    gm.graph.lint()
+    gm.recompile()
     nodes = list(gm.graph.nodes)
-    wheres = sum(n.target is torch.ops.aten.where.self for n in nodes)
-    return [n.args[5] if len(n.args) > 5 else None for n in nodes
-            if n.target is torch.ops.nsa.batched_mqa_logits.default], wheres
+    op_masks = [n.args[5] if len(n.args) > 5 else None for n in nodes
+                if n.target is torch.ops.nsa.batched_mqa_logits.default]
+    return result, before, gm(*args), op_masks, sum(n.target is torch.ops.aten.where.self for n in nodes)
 
 
 @pytest.mark.parametrize("fn", [masked_fill_kept, where_kept, masked_fill_dropped, logical_not_kept,
@@ -351,15 +362,15 @@ def test_the_mask_becomes_the_ops(fn, mask_kind, batch, tokens, keys):
     """The mask folds into the op (no where left) in every spelling and broadcast shape; -inf exactly where eager
     has it, the rest eager's logits."""
     q, k, w = inputs(batch, tokens, 4, keys)
-    mask = masks(batch, tokens, keys)[mask_kind]
-    gm = pass_helpers.functional_graph(fn, q, k, w, mask)
-    before = gm(q, k, w, mask)
-    result = BatchedMqaLogits()(gm.graph, None)
-    gm.graph.lint()
-    gm.recompile()
-    (op_mask,), wheres = folded(gm)
+    result, before, after, (op_mask,), wheres = masked_pass(fn, q, k, w, masks(batch, tokens, keys)[mask_kind])
     assert (result.matched, wheres) == (1, 0) and op_mask is not None
-    assert_logits_close(gm(q, k, w, mask), before, rtol=1e-6)
+    assert_logits_close(after, before, rtol=1e-6)
+
+
+def test_a_mask_the_graph_computes():
+    result, before, after, (op_mask,), wheres = masked_pass(causal_in_the_graph, *inputs(2, 3, 4, 16), None)
+    assert (result.matched, wheres) == (1, 0) and op_mask is not None
+    assert_logits_close(after, before, rtol=1e-6)
 
 
 def filled_with_a_number(q, k, w, mask):
@@ -388,16 +399,9 @@ def additive_mask(q, k, w, mask):
 def test_other_masks_stay_in_the_graph(fn):
     """A fill other than -inf, scores also used unmasked, a mask over other than reshapes of the logits, an additive
     mask: the op fires without a mask and the graph keeps the rest, eager's values."""
-    q, k, w = inputs(2, 3, 4, 16)
-    mask = masks(2, 3, 16)["full"]
-    gm = pass_helpers.functional_graph(fn, q, k, w, mask)
-    before = gm(q, k, w, mask)
-    result = BatchedMqaLogits()(gm.graph, None)
-    gm.graph.lint()
-    gm.recompile()
-    (op_mask,), _ = folded(gm)
+    result, before, after, (op_mask,), _ = masked_pass(fn, *inputs(2, 3, 4, 16), masks(2, 3, 16)["full"])
     assert result.matched == 1 and op_mask is None
-    for got, want in zip(*(x if isinstance(x, (tuple, list)) else [x] for x in (gm(q, k, w, mask), before))):
+    for got, want in zip(*(x if isinstance(x, (tuple, list)) else [x] for x in (after, before))):
         assert_logits_close(got, want, rtol=1e-6)
 
 
