@@ -354,10 +354,12 @@ def masked_pass(fn, *args):
     return result, before, gm(*args), op_masks, sum(n.target is torch.ops.aten.where.self for n in nodes)
 
 
-@pytest.mark.parametrize("fn", [masked_fill_kept, where_kept, masked_fill_dropped, logical_not_kept,
-                                masked_before_the_squeeze])
-@pytest.mark.parametrize("mask_kind", ["full", "entry", "causal", "keys"])
-@pytest.mark.parametrize("batch, tokens, keys", [(2, 3, 16), (1, 1, 7)])
+@pytest.mark.parametrize("fn, mask_kind, batch, tokens, keys", [
+    (masked_fill_kept, "entry", 2, 3, 16), (masked_fill_kept, "full", 1, 1, 7), (masked_fill_kept, "causal", 1, 5, 9),
+    (masked_fill_kept, "keys", 3, 1, 16), (where_kept, "entry", 1, 1, 7), (where_kept, "causal", 2, 3, 16),
+    (masked_fill_dropped, "full", 2, 3, 16), (masked_fill_dropped, "entry", 1, 1, 7),
+    (logical_not_kept, "keys", 2, 3, 16), (masked_before_the_squeeze, "entry", 2, 3, 16),
+    (masked_before_the_squeeze, "causal", 1, 1, 7)])
 def test_the_mask_becomes_the_ops(fn, mask_kind, batch, tokens, keys):
     """The mask folds into the op (no where left) in every spelling and broadcast shape; -inf exactly where eager
     has it, the rest eager's logits."""
