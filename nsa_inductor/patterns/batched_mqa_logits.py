@@ -5,15 +5,16 @@ Matches (Hugging Face's DeepSeek-V3.2 indexer and its ports; q ``[B, S, H, D]``,
     scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale
     scores = F.relu(scores)              # or relu(scores * scale), relu(scores) * scale (scale > 0), no scale
     logits = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)        # [B, S, T]
-    logits = logits.masked_fill(~mask, float("-inf"))                  # optional: where(mask, logits, -inf), ...
+    logits = logits.masked_fill(~mask, float("-inf"))                  # optional: any number, where(mask, .), ...
     # or q.flatten(1, 2).float() @ k.transpose(-1, -2).float() viewed [B, S, H, T], scores^T @ w[..., None],
     # (scores * w[..., None]).sum(2), an einsum's [H, B*S, T] scores summed over dim 0, one K [T, D] for all rows:
     # the reshapes between the tensors and the matmuls are followed element by element (mqa/probe.py)
 
 Rewrites to ``nsa.batched_mqa_logits(q, k, w, scale[, scale_tensor])`` in the head contraction's place: the
 ``[B, S, H, T]`` fp32 scores (and the fp32 copy of k expanded over S) are never written. A boolean mask that is the
-logits' only use (``where(keep, logits, -inf)`` or ``where(drop, -inf, logits)``, through reshapes) becomes the op's
-``mask``: the kernels then skip the keys and tiles it drops (the same values: -inf there whatever the scores were).
+logits' only use (``where(keep, logits, c)`` or ``where(drop, c, logits)``, through reshapes; ``c`` a number: -inf,
+``finfo.min``, ...) becomes the op's ``mask`` and ``fill``: the kernels skip the keys and tiles it drops (the same
+values: ``c`` there whatever the scores were).
 Never: q or K not bf16/fp16 upcast to fp32 (an fp32 q·k has no kernel here; an fp8 one is the MQA passes'), another
 activation than relu, a tensor factor on the scores but one 0-d scale inside the relu, heads summed otherwise than
 by a matmul with the weights or a sum of their product (one head or one key: torch's matmul is then no bmm).
@@ -30,7 +31,7 @@ from .base import GraphPass, NearMiss, PassContext
 from .fx_utils import VIEW_OPS, arg, as_int, describe, erase_dead, insert_call, is_op, live_users, replace, \
     reshape, size_arg, tensor_val, val
 from .mqa.probe import bmap, follow, linear, shape_of, unravel
-from .mqa.proofs import WHERES, is_neg_inf, reads_fp8, relu_input
+from .mqa.proofs import WHERES, constant_number, reads_fp8, relu_input
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -241,8 +242,9 @@ class BatchedMqaLogits(GraphPass):
 
 
 def _fold_mask(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
-    """``where(keep, logits, -inf)`` (or ``where(drop, -inf, logits)``, ``drop`` maybe ``~keep``) of the op's only
-    use, through reshapes, -> the op with ``mask=keep`` broadcast to ``[B, S, T]``; anything else stays as it is."""
+    """``where(keep, logits, c)`` (or ``where(drop, c, logits)``, ``drop`` maybe ``~keep``) of the op's only use,
+    through reshapes, ``c`` a number (-inf, ``finfo.min``, ...) -> the op with ``mask=keep`` broadcast to
+    ``[B, S, T]`` and ``fill=c``; anything else stays as it is."""
     logits = op
     while len(live_users(logits)) == 1 and is_op(live_users(logits)[0], *VIEW_OPS):
         logits = live_users(logits)[0]
@@ -251,11 +253,12 @@ def _fold_mask(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
         return
     where = users[0]
     cond, if_true, if_false = where.args
-    if if_true is logits and is_neg_inf(if_false):
-        keep = cond
-    elif if_false is logits and is_neg_inf(if_true):
+    if if_true is logits and constant_number(if_false) is not None:
+        keep, fill = cond, constant_number(if_false)
+    elif if_false is logits and constant_number(if_true) is not None:
         keep = cond.args[0] if is_op(cond, aten.bitwise_not.default, aten.logical_not.default) \
             and val(cond.args[0]).dtype == torch.bool else None
+        fill = constant_number(if_true)
     else:
         return
     if tensor_val(cond) is None or val(cond).dtype != torch.bool or val(where).dtype != torch.float32 \
@@ -273,5 +276,5 @@ def _fold_mask(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
         if list(val(keep).shape) != list(val(where).shape):
             keep = insert_call(graph, aten.expand.default, (keep, sizes[0]))
         masked = insert_call(graph, torch.ops.nsa.batched_mqa_logits.default,
-                             (*op.args[:5], reshape(graph, keep, sizes[1])))
+                             (*op.args[:5], reshape(graph, keep, sizes[1]), None if fill == float("-inf") else fill))
         replace(graph, where, masked)

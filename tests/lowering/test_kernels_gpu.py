@@ -197,6 +197,8 @@ def test_batched_mqa_logits_matches_float64_and_eager(batch, tokens, heads, keys
         for config in (tk.BatchedConfig(False, keys_in_m=False), tk.BatchedConfig(tokens < tk.ROWS_IN_M_FROM)):
             got = tk.batched_mqa_logits(*args, dim**-0.5, None, mask, config=config)
             assert_logits_close(got, want, rtol=1e-5)
+            filled = tk.batched_mqa_logits(*args, dim**-0.5, None, mask, -1e30, config=config)
+            assert torch.equal(filled, got.masked_fill(~mask, -1e30))
 
 
 def test_fnuz_ops_on_this_gpu():

@@ -309,6 +309,9 @@ def test_batched_mqa_logits_matches_float64(batch, tokens, heads, keys, dim, dty
     mask = torch.rand(batch, 1, keys, generator=gen).expand(batch, tokens, keys) < 0.5  # (a broadcast mask)
     masked = torch.ops.nsa.batched_mqa_logits(q, k, weights, 0.125, None, mask)
     assert_logits_close(masked, batched_logits64(q, k, weights, 0.125, mask), rtol=1e-6)
+    least = torch.finfo(torch.float32).min  # another fill
+    filled = torch.ops.nsa.batched_mqa_logits(q, k, weights, 0.125, None, mask, least)
+    assert torch.equal(filled, masked.masked_fill(~mask, least))
 
 
 def test_mqa_logits_causal_prefill():

@@ -422,6 +422,8 @@ def test_batched_mqa_logits_matches_float64(rows_in_m, keys_in_m, batch, tokens,
     for mask in (causal.expand(batch, tokens, keys), torch.rand(batch, tokens, keys, generator=gen) < 0.2):
         got = tk.batched_mqa_logits(q, k, weights, 0.3, None, mask, config=config)  # (tiles kept whole, in part, not)
         assert_logits_close(got, batched_logits64(q, k, weights, 0.3, mask), rtol=1e-6)
+        assert torch.equal(tk.batched_mqa_logits(q, k, weights, 0.3, None, mask, -7.5, config=config),
+                           got.masked_fill(~mask, -7.5))  # another fill: the same logits elsewhere
 
 
 @child_only

@@ -50,7 +50,7 @@ def config_for(batch: int, tokens: int, keys: int) -> BatchedConfig:
 
 @triton.jit
 def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens, keys, heads, scale,
-                       mask_sb, mask_ss, mask_st, ROWS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                       mask_sb, mask_ss, mask_st, fill, ROWS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SCALE_TENSOR: tl.constexpr,
                        HAS_MASK: tl.constexpr, KEYS_IN_M: tl.constexpr, PDL: tl.constexpr = False):
     """Rows ``s0 .. s0 + ROWS`` of batch entry b against keys ``[c * CHUNK, (c + 1) * CHUNK)``; ``KEYS_IN_M``: the
@@ -93,19 +93,19 @@ def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens
             scores = tl.maximum(dot_upcast(k, tl.trans(q)) * scale * scale_by, 0.0)  # relu(k.q * scale), [N, ROWS*HP]
             logits = tl.sum(tl.reshape(scores, [BLOCK_N, ROWS, HP]) * w[None, :, :], axis=2)
             if HAS_MASK:
-                logits = tl.where(keep, logits, float("-inf"))
+                logits = tl.where(keep, logits, fill)
             tl.store(out_ptr + rows[None, :] * keys + n[:, None], logits, mask=row_ok[None, :] & in_keys[:, None])
         else:
             scores = tl.maximum(dot_upcast(q, tl.trans(k)) * scale * scale_by, 0.0)  # relu(q.k * scale), [ROWS*HP, N]
             logits = tl.sum(tl.reshape(scores, [ROWS, HP, BLOCK_N]) * w[:, :, None], axis=1)
             if HAS_MASK:
-                logits = tl.where(tl.trans(keep), logits, float("-inf"))
+                logits = tl.where(tl.trans(keep), logits, fill)
             tl.store(out_ptr + rows[:, None] * keys + n[None, :], logits, mask=row_ok[:, None] & in_keys[None, :])
 
 
 @triton.jit
 def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens, keys, heads, scale,
-                      mask_sb, mask_ss, mask_st, BLOCK_M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                      mask_sb, mask_ss, mask_st, fill, BLOCK_M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                       BLOCK_N: tl.constexpr, SCALE_TENSOR: tl.constexpr, HAS_MASK: tl.constexpr,
                       PDL: tl.constexpr = False):
     """Rows ``s0 .. s0 + BLOCK_M`` of batch entry b against one block of keys, the heads in a loop."""
@@ -139,24 +139,25 @@ def _rows_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens,
         mask_keys = mask_ptr + b * mask_sb + n * mask_st
         keep = tl.load(mask_keys[None, :] + s.to(tl.int64)[:, None] * mask_ss,
                        mask=read_rows[:, None] & read_keys[None, :], other=0)
-        acc = tl.where(keep != 0, acc, float("-inf"))
+        acc = tl.where(keep != 0, acc, fill)
     tl.store(out_ptr + rows[:, None] * keys + n[None, :], acc, mask=row_ok[:, None] & in_keys[None, :])
 
 
-def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, mask=None, config: BatchedConfig | None = None
-                       ) -> torch.Tensor:
+def batched_mqa_logits(q, k, weights, scale, scale_tensor=None, mask=None, fill=None,
+                       config: BatchedConfig | None = None) -> torch.Tensor:
     batch, tokens, heads, dim = q.shape
     keys = k.shape[1]
     if dim > MAX_DIM:
-        return reference.batched_mqa_logits(q, k, weights, scale, scale_tensor, mask)
+        return reference.batched_mqa_logits(q, k, weights, scale, scale_tensor, mask, fill)
     out = torch.empty(batch, tokens, keys, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
+    fill = float("-inf") if fill is None else fill
     if heads == 0:
-        return out.zero_() if mask is None else out.zero_().masked_fill_(~mask, float("-inf"))
+        return out.zero_() if mask is None else out.zero_().masked_fill_(~mask, fill)
     cfg = config or config_for(batch, tokens, keys)
     mask_args = (None, 0, 0, 0) if mask is None else (mask.view(torch.uint8), *mask.stride())
-    args = (q, k, weights, scale_tensor, mask_args[0], out, tokens, keys, heads, scale, *mask_args[1:])
+    args = (q, k, weights, scale_tensor, mask_args[0], out, tokens, keys, heads, scale, *mask_args[1:], fill)
     common = dict(SCALE_TENSOR=scale_tensor is not None, HAS_MASK=mask is not None, D=dim,
                   DP=max(16, next_power_of_2(dim)), BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)

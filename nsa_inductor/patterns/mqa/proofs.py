@@ -45,13 +45,15 @@ HEAD_SUMS = (aten.sum.dim_IntList, aten.mean.dim)  # a mean: the sum times 1/H, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def is_neg_inf(x: Any) -> bool:
-    if isinstance(x, (int, float)):
-        return x == float("-inf")
+def constant_number(x: Any) -> float | None:
+    """The value of a number, or of a ``full`` / ``scalar_tensor`` of one (how a traced fill arrives); else None."""
     if is_op(x, aten.full.default, aten.scalar_tensor.default):
-        value = x.args[1] if is_op(x, aten.full.default) else x.args[0]
-        return isinstance(value, (int, float)) and value == float("-inf")
-    return False
+        x = x.args[1] if is_op(x, aten.full.default) else x.args[0]
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def is_neg_inf(x: Any) -> bool:
+    return constant_number(x) == float("-inf")
 
 
 def cache_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
