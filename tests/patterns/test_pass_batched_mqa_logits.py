@@ -84,12 +84,18 @@ def count_ops(gm) -> tuple[int, int]:
             sum(n.target is torch.ops.nsa.batched_mqa_logits.default for n in nodes))
 
 
-def run_pass(fn, *args):
+def rewritten(fn, *args):
+    """``(the graph module after the pass, the pass's result, eager's output)``."""
     gm = pass_helpers.functional_graph(fn, *args)
     before = gm(*args)
     result = BatchedMqaLogits()(gm.graph, None)
     gm.graph.lint()
     gm.recompile()
+    return gm, result, before
+
+
+def run_pass(fn, *args):
+    gm, result, before = rewritten(fn, *args)
     return result, before, gm(*args), count_ops(gm)
 
 
@@ -351,11 +357,7 @@ def masks(batch, tokens, keys, seed=0):
 
 def masked_pass(fn, *args):
     """``(result, eager's output, the rewritten graph's, the masks of its nsa.batched_mqa_logits calls, wheres)``."""
-    gm = pass_helpers.functional_graph(fn, *args)
-    before = gm(*args)
-    result = BatchedMqaLogits()(gm.graph, None)
-    gm.graph.lint()
-    gm.recompile()
+    gm, result, before = rewritten(fn, *args)
     nodes = list(gm.graph.nodes)
     op_masks = [n.args[5] if len(n.args) > 5 else None for n in nodes
                 if n.target is torch.ops.nsa.batched_mqa_logits.default]
