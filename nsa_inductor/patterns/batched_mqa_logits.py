@@ -10,7 +10,7 @@ Matches (Hugging Face's DeepSeek-V3.2 indexer and its ports; q ``[B, S, H, D]``,
     # (scores * w[..., None]).sum(2), an einsum's [H, B*S, T] scores summed over dim 0, one K [T, D] for all rows:
     # the reshapes between the tensors and the matmuls are followed element by element (mqa/probe.py)
 
-Rewrites to ``nsa.batched_mqa_logits(q, k, w, scale[, scale_tensor])`` in the head contraction's place: the
+Rewrites to ``nsa.batched_mqa_logits(q, k, w, scale[, scale_tensor, mask, fill])`` in the head contraction's place: the
 ``[B, S, H, T]`` fp32 scores (and the fp32 copy of k expanded over S) are never written. A boolean mask that is the
 logits' only use (``where(keep, logits, c)`` or ``where(drop, c, logits)``, through reshapes; ``c`` a number: -inf,
 ``finfo.min``, ...) becomes the op's ``mask`` and ``fill``: the kernels skip the keys and tiles it drops (the same
@@ -266,9 +266,11 @@ def _fold_mask(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
         return
     with graph.inserting_before(where):
         sources = [*op.args[:3], keep if keep is not None else cond]  # (not the logits: they would stay alive)
-        sizes = []
+        sizes = [[], []]  # where's and the op's
         try:
-            sizes = [[size_arg(graph, s, sources) for s in val(x).shape] for x in (where, op)]
+            for made, x in zip(sizes, (where, op)):
+                for size in val(x).shape:
+                    made.append(size_arg(graph, size, sources))
         except NearMiss:  # (a size that is no input's, e.g. B * S: the mask stays a where)
             erase_dead(graph, [n for n in sum(sizes, []) if isinstance(n, torch.fx.Node)])
             return

@@ -413,6 +413,31 @@ def test_other_masks_stay_in_the_graph(fn):
         assert_logits_close(got, want, rtol=1e-6)
 
 
+def test_a_mask_whose_sizes_cannot_be_expressed_stays(monkeypatch):
+    """Where a size of the where's shape is no input's (``size_arg`` gives up), the where stays and the size nodes made
+    before are erased."""
+    from nsa_inductor.patterns import batched_mqa_logits as module
+
+    made = []
+
+    def second_size_fails(graph, size, sources):
+        if made:
+            raise module.NearMiss("cannot express it")
+        made.append(module.insert_call(graph, torch.ops.aten.sym_size.int, (sources[0], 0)))
+        return made[-1]
+
+    def fold_mask(graph, op, fold=module._fold_mask):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "size_arg", second_size_fails)
+            fold(graph, op)
+
+    monkeypatch.setattr(module, "_fold_mask", fold_mask)
+    result, before, after, (op_mask,), wheres = masked_pass(masked_fill_kept, *inputs(2, 3, 4, 16),
+                                                            masks(2, 3, 16)["entry"])
+    assert (result.matched, op_mask, wheres) == (1, None, 1) and made and made[0]._erased
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
 def test_the_mask_folds_in_a_dynamic_compile():
     """Symbolic B, S and T: the broadcast mask is expanded by the graph's sizes; compiled equals eager."""
     torch._dynamo.reset()
