@@ -19,9 +19,9 @@
 # ab: `topk_ab.py` (no GPU tests): the package copies in AB_PKGS ("name=dir,...", default "main=dev/main_pkg,tree=.";
 # make a copy with `git archive`, see topk_ab.py, and carry dev/), the cells in AB_CELLS (default: its own), other
 # options in AB_ARGS (e.g. "--rounds 3 --kernels").
-# hf: Hugging Face's DeepSeek-V3.2 indexer (no GPU tests): `nsa.batched_mqa_logits` against HF's ATen scoring
-# (`kernels.py --only batched`), then from scores to top-k (`hf_indexer.py`): eager, default Inductor and nsa_rocm
-# under CUDA graphs, decode B=64/8 ctx 8192, B=1 ctx 32768, causal prefill 4096.
+# hf: Hugging Face's DeepSeek-V3.2 indexer (no GPU tests): `nsa.batched_mqa_logits` against HF's ATen scoring, with
+# and without HF's masks (`kernels.py --only batched`), then from scores to top-k (`hf_indexer.py`): eager, default
+# Inductor and nsa_rocm under CUDA graphs, decode B=64/8 ctx 8192, B=1 ctx 32768, causal prefill 4096.
 # GPU_TESTS=0 skips the GPU tests of the modes that run them (they take ~330 s of the 600 s a device call may run:
 # `decode` with them does not fit one call).
 set -uo pipefail

@@ -10,7 +10,8 @@ cost), the GEMMs' weights cycled through copies past the L2 (and once from it). 
 Bandwidth counts K values + scales read, q, weights and the output written; the prefill counts 2*H*128 flops per
 visible (t, n) pair of the causal half.
 Floors (DESIGN §6): 4.3 TB/s copy bandwidth and ~1979 TFLOP/s dense fp8 on an H200 (~989 bf16, for the Hugging
-Face scores of ``nsa.batched_mqa_logits``, whose "torch" column is HF's scoring in ATen: fp32 matmuls).
+Face scores of ``nsa.batched_mqa_logits``, whose "torch" column is HF's scoring in ATen: fp32 matmuls; its masked
+cells' rate and floor count the kept share of the bytes or flops).
 
 ``--only host``: what one call of each op costs the host (``bench_host``), next to a plain torch op, same run.
 """
