@@ -253,16 +253,16 @@ def _fold_mask(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
         return
     where = users[0]
     cond, if_true, if_false = where.args
-    if if_true is logits and constant_number(if_false) is not None:
+    if if_true is logits:
         keep, fill = cond, constant_number(if_false)
-    elif if_false is logits and constant_number(if_true) is not None:
+    elif if_false is logits:
         keep = cond.args[0] if is_op(cond, aten.bitwise_not.default, aten.logical_not.default) \
             and val(cond.args[0]).dtype == torch.bool else None
         fill = constant_number(if_true)
     else:
         return
-    if tensor_val(cond) is None or val(cond).dtype != torch.bool or val(where).dtype != torch.float32 \
-            or list(val(where).shape) != list(val(logits).shape):
+    if fill is None or tensor_val(cond) is None or val(cond).dtype != torch.bool \
+            or val(where).dtype != torch.float32 or list(val(where).shape) != list(val(logits).shape):
         return
     with graph.inserting_before(where):
         sources = [*op.args[:3], keep if keep is not None else cond]  # (not the logits: they would stay alive)

@@ -73,8 +73,7 @@ def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens
     k_base = k_ptr + b * keys * D
     start = tl.program_id(0) * CHUNK
     end = tl.minimum(start + CHUNK, keys)
-    first, last = start, end - 1  # the chunk's keys from the first to the last any row keeps: the ones read
-    if HAS_MASK:
+    if HAS_MASK:  # the chunk's keys from the first to the last any row keeps: the ones read
         mask_rows = mask_ptr + b * mask_sb + s.to(tl.int64) * mask_ss
         c = start + tl.arange(0, CHUNK)
         kept = tl.max(tl.load(mask_rows[None, :] + c[:, None] * mask_st, mask=(c < end)[:, None] & row_ok[None, :],
@@ -84,8 +83,8 @@ def _heads_in_m_kernel(q_ptr, k_ptr, w_ptr, scale_ptr, mask_ptr, out_ptr, tokens
     for n0 in tl.range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         in_keys = n < keys
-        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=((n >= first) & (n <= last))[:, None] & d_ok[None, :],
-                    other=0.0)
+        read = ((n >= first) & (n <= last)) if HAS_MASK else in_keys
+        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=read[:, None] & d_ok[None, :], other=0.0)
         if HAS_MASK:  # keep [N, ROWS]: the scores the mask keeps
             keep = tl.load(mask_rows[None, :] + n[:, None] * mask_st, mask=in_keys[:, None] & row_ok[None, :],
                            other=0) != 0
